@@ -1,0 +1,207 @@
+"""Calibration: real text -> pre-RoPE K/V + Fisher weights -> k-means codebooks -> one artifact.
+
+    python -m calibrate [--model M] [--data wiki-leads] [--formats all] [--output FILE]
+
+Work is checkpointed in ``<output>.work/`` (the collected activations, then one file per finished
+layer), so an interrupted run restarts where it stopped; the directory is removed at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from vllm_temporalkv import __version__
+from vllm_temporalkv.artifact import Artifact, default_artifact_path, model_fingerprint
+from vllm_temporalkv.codecs.quantizer import ChannelStats
+from vllm_temporalkv.formats import FORMATS, check_head_dim, get_format
+
+from .collect import collect_kv_grads
+from .fit import fit_layer
+
+THESIS_SAMPLES = 64  # 64 x 2048 tokens (thesis sec. 5.2)
+CPU_SAMPLES = 8  # what fits the one-hour budget on two CPU cores (k-means dominates)
+
+
+def codebook_keys(formats: list[str]) -> list[str]:
+    """Codebook families needed: TemporalKV also needs its channel twin for the hybrid."""
+    keys: list[str] = []
+    for name in formats:
+        fmt = get_format(name)
+        for key in [fmt.codebook_key] + ([fmt.channel_twin_key] if fmt.hybrid else []):
+            if key not in keys:
+                keys.append(key)
+    return keys
+
+
+def hybrid_choice(mse: dict[tuple[int, str, str], float], fmt_name: str, num_layers: int):
+    """Per layer, K and V separately: channel chunking where its Fisher-weighted MSE is lower."""
+    fmt = get_format(fmt_name)
+    if not fmt.hybrid:
+        return {kv: [fmt.method] * num_layers for kv in "kv"}, None
+    table = torch.zeros(num_layers, 2, 2)
+    methods = {"k": [], "v": []}
+    for layer in range(num_layers):
+        for j, kv in enumerate("kv"):
+            t = mse[(layer, kv, fmt.codebook_key)]
+            c = mse[(layer, kv, fmt.channel_twin_key)]
+            table[layer, j] = torch.tensor([t, c])
+            methods[kv].append("channel" if c < t else "temporal")
+    return methods, table
+
+
+def _run_key(d: dict) -> str:
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_calibration(
+    *,
+    model: str | None = None,
+    data: str = "wiki-leads",
+    formats: list[str] | None = None,
+    num_samples: int | None = None,
+    seq_len: int = 2048,
+    iters: int = 50,
+    seed: int = 0,
+    fisher: bool = True,
+    device: str = "auto",
+    output: str | Path | None = None,
+    progress: bool = True,
+    log=print,
+) -> Artifact:
+    from vllm_temporalkv.corpora import load_corpus, token_windows
+    from vllm_temporalkv.models import load_hf_model, load_tokenizer, resolve_model
+
+    t0 = time.time()
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if num_samples is None:
+        num_samples = THESIS_SAMPLES if device.startswith("cuda") else CPU_SAMPLES
+    formats = list(FORMATS) if not formats or formats == ["all"] else formats
+    for f in formats:
+        get_format(f)  # fail early on a bad name
+    keys = codebook_keys(formats)
+
+    model_dir = resolve_model(model)
+    output = Path(output) if output else default_artifact_path(model_dir)
+    log(f"model {model_dir}\ndata {data}: {num_samples} x {seq_len} tokens\ndevice {device}")
+    tok = load_tokenizer(model_dir)
+    hf = load_hf_model(model_dir, dtype=torch.float32, device=device)
+    fp = model_fingerprint(hf.config)
+    for f in formats:
+        check_head_dim(get_format(f), fp["head_dim"])
+    L = fp["num_layers"]
+
+    settings = dict(
+        fingerprint=fp, data=data, num_samples=num_samples, seq_len=seq_len, iters=iters,
+        seed=seed, fisher=fisher, keys=keys,
+    )
+    work = output.with_name(output.name + ".work")
+    run_key = _run_key(settings)
+    if work.exists() and (work / "run.json").is_file():
+        if json.loads((work / "run.json").read_text()).get("key") != run_key:
+            log(f"discarding {work}: it holds a run with different settings")
+            shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "run.json").write_text(json.dumps({"key": run_key, "settings": settings}))
+
+    # ---- 1. activations and Fisher weights (checkpointed)
+    coll = work / "collected.safetensors"
+    t_collect = time.time()
+    if coll.is_file():
+        log(f"resuming: reusing collected activations in {coll}")
+        flat = load_file(str(coll))
+        acts = [{kv: flat[f"a.{i}.{kv}"] for kv in "kv"} for i in range(L)]
+        grads = [{kv: flat[f"g.{i}.{kv}"] for kv in "kv"} for i in range(L)]
+    else:
+        docs = load_corpus(data)
+        windows = token_windows(tok, docs, seq_len, num_samples)
+        acts, grads = collect_kv_grads(hf, windows, device=device, progress=progress)
+        flat = {f"a.{i}.{kv}": acts[i][kv] for i in range(L) for kv in "kv"}
+        flat.update({f"g.{i}.{kv}": grads[i][kv] for i in range(L) for kv in "kv"})
+        save_file(flat, str(coll.with_suffix(".tmp")))
+        coll.with_suffix(".tmp").rename(coll)
+    del hf, flat
+    t_collect = time.time() - t_collect
+
+    # ---- 2. per layer: statistics, codebooks, MSE (one checkpoint file per layer)
+    t_fit = time.time()
+    stats, books, mse = {}, {}, {}
+    bar = tqdm(total=L * 2 * len(keys), desc="k-means", unit="codebook set", disable=not progress)
+    for layer in range(L):
+        ckpt = work / f"layer_{layer:03d}.safetensors"
+        if ckpt.is_file():
+            t = load_file(str(ckpt))
+            bar.update(2 * len(keys))
+        else:
+            dev_acts = {kv: acts[layer][kv].to(device) for kv in "kv"}
+            dev_grads = {kv: grads[layer][kv].to(device) for kv in "kv"}
+            st, bk, ms = fit_layer(layer, dev_acts, dev_grads, keys, iters=iters, seed=seed,
+                                   fisher=fisher, on_fit=lambda: bar.update(1))
+            t = {}
+            for kv, s in st.items():
+                for name in ("mean", "std", "lo", "hi"):
+                    t[f"stats.{kv}.{name}"] = getattr(s, name).float().cpu().contiguous()
+            for (kv, key), c in bk.items():
+                t[f"codebook.{kv}.{key}"] = c.cpu().contiguous()
+            for (kv, key), v in ms.items():
+                t[f"mse.{kv}.{key}"] = torch.tensor([v])
+            save_file(t, str(ckpt.with_suffix(".tmp")))
+            ckpt.with_suffix(".tmp").rename(ckpt)
+        for kv in "kv":
+            stats[(layer, kv)] = ChannelStats(*(t[f"stats.{kv}.{n}"] for n in ("mean", "std", "lo", "hi")))
+            for key in keys:
+                books[(layer, kv, key)] = t[f"codebook.{kv}.{key}"]
+                mse[(layer, kv, key)] = float(t[f"mse.{kv}.{key}"][0])
+        acts[layer] = grads[layer] = None  # free as we go
+    bar.close()
+    t_fit = time.time() - t_fit
+
+    # ---- 3. hybrid choice and the artifact
+    layer_methods, mse_tables = {}, {}
+    for name in formats:
+        layer_methods[name], table = hybrid_choice(mse, name, L)
+        if table is not None:
+            mse_tables[name] = table
+    elapsed = time.time() - t0
+    calibration = dict(
+        data=data, num_samples=num_samples, seq_len=seq_len, tokens=num_samples * seq_len,
+        sink_tokens_excluded=True, iters=iters, seed=seed, fisher=fisher, codebooks=keys,
+        device=device if not device.startswith("cuda") else torch.cuda.get_device_name(),
+        machine=f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
+        seconds=dict(total=round(elapsed, 1), collect=round(t_collect, 1), kmeans=round(t_fit, 1)),
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), package_version=__version__,
+        torch=torch.__version__, model=str(model or "smollm2"),
+    )
+    art = Artifact(fp, formats, layer_methods, calibration, stats, books, mse_tables)
+    art.save(output)
+    shutil.rmtree(work, ignore_errors=True)
+    log(summary(art, output))
+    return art
+
+
+def summary(art: Artifact, path: Path) -> str:
+    c = art.calibration
+    lines = [
+        f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB) in {c['seconds']['total']:.0f} s "
+        f"(collect {c['seconds']['collect']:.0f} s, k-means {c['seconds']['kmeans']:.0f} s)",
+        f"{'format':18} {'bits':>4} {'centroids (fp16)':>17}  hybrid: channel-chunked layers",
+    ]
+    for name in art.formats:
+        fmt = get_format(name)
+        lm = art.layer_methods[name]
+        hyb = ""
+        if fmt.hybrid:
+            ks = [i for i, m in enumerate(lm["k"]) if m == "channel"]
+            vs = [i for i, m in enumerate(lm["v"]) if m == "channel"]
+            hyb = f"K {ks or '-'}  V {vs or '-'}"
+        lines.append(f"{name:18} {fmt.bits:>4} {art.centroid_bytes(name) / 2**20:>13.2f} MiB  {hyb}")
+    return "\n".join(lines)

@@ -1,0 +1,56 @@
+"""Collect pre-RoPE K and V and the gradients of the LM loss with respect to them.
+
+One forward + backward per calibration window; hooks on the pre-RoPE K / V projections keep the
+activations and register tensor hooks for their gradients (the diagonal Fisher information,
+thesis sec. 5.2.1).  The first SINK_TOKENS tokens of every window are dropped: their Fisher
+weights are orders of magnitude larger and they are never quantized anyway (sec. 5.4).
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from vllm_temporalkv.formats import SINK_TOKENS
+from vllm_temporalkv.hf_hooks import head_shape, kv_output_hooks
+
+
+def collect_kv_grads(
+    model: torch.nn.Module, windows: torch.Tensor, *, device: str = "cpu", progress: bool = True
+) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """windows [S, T] token ids -> (acts, grads): per layer {"k": [S*(T-8), H, D], "v": ...}
+    float32 on the CPU."""
+    S, T = windows.shape
+    n = T - SINK_TOKENS
+    H, D = head_shape(model)
+    L = model.config.num_hidden_layers
+    acts = [{kv: torch.empty(S * n, H, D) for kv in "kv"} for _ in range(L)]
+    grads = [{kv: torch.empty(S * n, H, D) for kv in "kv"} for _ in range(L)]
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+
+    for s in tqdm(range(S), desc="collect K/V + Fisher", unit="window", disable=not progress):
+        rows = slice(s * n, (s + 1) * n)
+
+        def hook(layer: int, kind: str, out: torch.Tensor):
+            acts[layer][kind][rows] = out[0, SINK_TOKENS:].detach().float().cpu()
+            if out.requires_grad:
+
+                def save_grad(g, layer=layer, kind=kind):
+                    grads[layer][kind][rows] = g.reshape(out.shape)[0, SINK_TOKENS:].float().cpu()
+
+                out.register_hook(save_grad)
+            return out  # the hooked view must be what flows on, or its grad hook never fires
+
+        ids = windows[s : s + 1].to(device)
+        with kv_output_hooks(model, hook), torch.enable_grad():
+            # inputs need no grad, but K/V must: make the embedding output require grad
+            emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+            logits = model(inputs_embeds=emb).logits.float()
+            # summed (not averaged) token losses keep the squared gradients well above underflow
+            loss = torch.nn.functional.cross_entropy(
+                logits[0, :-1], ids[0, 1:], reduction="sum"
+            )
+            loss.backward()
+    return acts, grads

@@ -1,0 +1,65 @@
+"""From one layer's collected K/V and gradients to statistics, codebooks and the hybrid's MSE."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from vllm_temporalkv.codecs import make_codec
+from vllm_temporalkv.codecs.quantizer import ChannelStats
+from vllm_temporalkv.formats import OUTLIER_QUANTILES, parse_codebook_key
+
+
+def quantile_rows(x: torch.Tensor, q: float) -> torch.Tensor:
+    """Linear-interpolated quantile over dim 0 (torch.quantile refuses > 16M elements)."""
+    xs = x.sort(0).values
+    pos = q * (x.shape[0] - 1)
+    i = int(pos)
+    frac = pos - i
+    j = min(i + 1, x.shape[0] - 1)
+    return xs[i] * (1 - frac) + xs[j] * frac
+
+
+def channel_stats(x: torch.Tensor) -> ChannelStats:
+    """x [N, H, D] raw values -> per-channel mean / std and outlier thresholds."""
+    mean = x.mean(0)
+    std = x.std(0, unbiased=False).clamp_min(1e-6)
+    lo = quantile_rows(x, OUTLIER_QUANTILES[0])
+    hi = quantile_rows(x, OUTLIER_QUANTILES[1])
+    return ChannelStats(mean, std, lo, hi)
+
+
+def _seed(base: int, layer: int, kv: str, key: str) -> int:
+    return (base * 1_000_003 + zlib.crc32(f"{layer}.{kv}.{key}".encode())) % (2**31)
+
+
+def fit_layer(
+    layer: int,
+    acts: dict[str, torch.Tensor],
+    grads: dict[str, torch.Tensor],
+    keys: list[str],
+    *,
+    iters: int,
+    seed: int,
+    fisher: bool = True,
+    on_fit=None,
+) -> tuple[dict, dict, dict]:
+    """-> (stats {kv: ChannelStats}, codebooks {(kv, key): [H,G,K,v]}, mse {(kv, key): float})."""
+    stats, books, mse = {}, {}, {}
+    for kv in "kv":
+        x = acts[kv]
+        s = channel_stats(x)
+        stats[kv] = s
+        z = (x - s.mean) * s.inv_std
+        # Fisher weights in normalized space: d loss / d z = std * d loss / d x
+        f = (grads[kv] * s.std) ** 2 if fisher else None
+        for key in keys:
+            method, chunk, k = parse_codebook_key(key)
+            codec = make_codec(method, chunk, k).fit(z, f, iters=iters, seed=_seed(seed, layer, kv, key))
+            books[(kv, key)] = codec.centroids.half()
+            # always Fisher-weighted when we have gradients: this is what the hybrid compares
+            mse[(kv, key)] = codec.weighted_mse(z, (grads[kv] * s.std) ** 2)
+            if on_fit is not None:
+                on_fit()
+    return stats, books, mse

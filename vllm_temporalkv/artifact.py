@@ -1,0 +1,298 @@
+"""The calibration artifact: one safetensors file per model, never unpickled.
+
+Tensors
+    ``stats.<layer>.<k|v>.{mean,std,lo,hi}``   [H, D] float32  per-channel statistics, thresholds
+    ``codebook.<layer>.<k|v>.<key>``           [H, G, K, v] float16  e.g. key ``temporal-l4-k256``
+    ``hybrid.<format>.mse``                    [L, 2, 2] float32  Fisher-MSE (K/V x temporal/channel)
+Metadata (JSON strings)
+    ``kind``, ``schema_version``, ``fingerprint`` (the model), ``formats``, ``layer_methods``
+    (the hybrid's per-layer chunking, K and V separately), ``calibration`` (data and arguments).
+
+Loading checks everything a server relies on and fails with an ``ArtifactError`` that names the
+file, the problem and the command that fixes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .codecs import make_codec
+from .codecs.quantizer import ChannelStats, KVQuantizer
+from .formats import FORMATS, KVFormat, get_format, parse_codebook_key
+
+KIND = "vllm-temporalkv/calibration"
+SCHEMA_VERSION = 1
+ARTIFACT_FILENAME = "temporalkv.safetensors"
+ENV_ARTIFACT = "VLLM_TEMPORALKV_ARTIFACT"
+KV = ("k", "v")
+
+
+class ArtifactError(ValueError):
+    """A calibration artifact is missing, unreadable or does not fit the model."""
+
+
+def calibrate_hint(model: str | None = None, output: str | Path | None = None) -> str:
+    cmd = "python -m calibrate"
+    if model:
+        cmd += f" --model {model}"
+    if output:
+        cmd += f" --output {output}"
+    return cmd
+
+
+# --------------------------------------------------------------------------------------------
+# model fingerprint
+
+
+def _cfg_get(cfg: Any, name: str, default=None):
+    if isinstance(cfg, dict):
+        return cfg.get(name, default)
+    return getattr(cfg, name, default)
+
+
+def model_fingerprint(cfg: Any) -> dict:
+    """What an artifact must agree on with the model it serves (from an HF config or its dict)."""
+    text = _cfg_get(cfg, "text_config")
+    if text is not None and _cfg_get(cfg, "num_hidden_layers") is None:
+        cfg = text
+    heads = int(_cfg_get(cfg, "num_attention_heads"))
+    hidden = int(_cfg_get(cfg, "hidden_size"))
+    head_dim = _cfg_get(cfg, "head_dim") or hidden // heads
+    rope = dict(_cfg_get(cfg, "rope_parameters") or _cfg_get(cfg, "rope_scaling") or {})
+    theta = rope.pop("rope_theta", None) or _cfg_get(cfg, "rope_theta")
+    rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+    archs = _cfg_get(cfg, "architectures") or [_cfg_get(cfg, "model_type")]
+    return {
+        "architecture": str(archs[0]),
+        "num_layers": int(_cfg_get(cfg, "num_hidden_layers")),
+        "num_heads": heads,
+        "num_kv_heads": int(_cfg_get(cfg, "num_key_value_heads") or heads),
+        "head_dim": int(head_dim),
+        "hidden_size": hidden,
+        "vocab_size": int(_cfg_get(cfg, "vocab_size")),
+        "rope_theta": float(theta) if theta is not None else None,
+        "rope_type": str(rope_type),
+        "rope_scaling": {k: rope[k] for k in sorted(rope)},
+    }
+
+
+def fingerprint_mismatch(expected: dict, found: dict) -> list[str]:
+    return [
+        f"{k}: artifact has {found.get(k)!r}, model has {expected.get(k)!r}"
+        for k in sorted(set(expected) | set(found))
+        if expected.get(k) != found.get(k)
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# the artifact
+
+
+@dataclasses.dataclass
+class Artifact:
+    fingerprint: dict
+    formats: list[str]
+    layer_methods: dict[str, dict[str, list[str]]]  # format -> {"k": [...], "v": [...]}
+    calibration: dict
+    stats: dict[tuple[int, str], ChannelStats]
+    codebooks: dict[tuple[int, str, str], torch.Tensor]  # (layer, k|v, key) -> [H, G, K, v]
+    mse: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    path: Path | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return self.fingerprint["num_layers"]
+
+    # ---- save / load -------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        for (layer, kv), s in self.stats.items():
+            for name in ("mean", "std", "lo", "hi"):
+                tensors[f"stats.{layer}.{kv}.{name}"] = getattr(s, name).float().contiguous()
+        for (layer, kv, key), c in self.codebooks.items():
+            tensors[f"codebook.{layer}.{kv}.{key}"] = c.half().contiguous()
+        for fmt, m in self.mse.items():
+            tensors[f"hybrid.{fmt}.mse"] = m.float().contiguous()
+        meta = {
+            "kind": KIND,
+            "schema_version": str(SCHEMA_VERSION),
+            "fingerprint": json.dumps(self.fingerprint),
+            "formats": json.dumps(self.formats),
+            "layer_methods": json.dumps(self.layer_methods),
+            "calibration": json.dumps(self.calibration),
+        }
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)  # never leave a half-written artifact under the real name
+        self.path = path
+        return path
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        *,
+        expect: dict | None = None,
+        formats: list[str] | None = None,
+        model_hint: str | None = None,
+    ) -> "Artifact":
+        """Read and validate. ``expect``: the model's fingerprint; ``formats``: must be covered."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        fix = calibrate_hint(model_hint, path)
+        if not path.is_file():
+            raise ArtifactError(f"calibration artifact not found: {path}. Create it with: {fix}")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as e:  # safetensors raises several types for bad headers / short files
+            raise ArtifactError(
+                f"calibration artifact {path} is unreadable (truncated or corrupt: {e}). "
+                f"Delete it and re-create it with: {fix}"
+            ) from None
+        if meta.get("kind") != KIND:
+            raise ArtifactError(
+                f"{path} is a safetensors file but not a vllm-temporalkv calibration artifact "
+                f"(metadata kind={meta.get('kind')!r}). Create one with: {fix}"
+            )
+        if meta.get("schema_version") != str(SCHEMA_VERSION):
+            raise ArtifactError(
+                f"calibration artifact {path} has schema version {meta.get('schema_version')!r}; "
+                f"this vllm-temporalkv reads version {SCHEMA_VERSION}. Re-create it with: {fix}"
+            )
+        try:
+            art = cls(
+                fingerprint=json.loads(meta["fingerprint"]),
+                formats=json.loads(meta["formats"]),
+                layer_methods=json.loads(meta["layer_methods"]),
+                calibration=json.loads(meta.get("calibration", "{}")),
+                stats={},
+                codebooks={},
+                path=path,
+            )
+        except (KeyError, json.JSONDecodeError) as e:
+            raise ArtifactError(f"calibration artifact {path} has corrupt metadata ({e}). Re-create it with: {fix}") from None
+        if expect is not None:
+            diff = fingerprint_mismatch(expect, art.fingerprint)
+            if diff:
+                raise ArtifactError(
+                    f"calibration artifact {path} was made for a different model ("
+                    + "; ".join(diff)
+                    + f"). Calibrate this model with: {fix}"
+                )
+        art._fill(tensors, fix)
+        for name in formats or []:
+            if name not in art.formats:
+                raise ArtifactError(
+                    f"calibration artifact {path} has no codebooks for {name} (it covers "
+                    f"{', '.join(art.formats) or 'nothing'}). Re-create it with: {fix} --formats {name}"
+                )
+        return art
+
+    def _fill(self, tensors: dict[str, torch.Tensor], fix: str) -> None:
+        fp = self.fingerprint
+        H, D, L = fp["num_kv_heads"], fp["head_dim"], fp["num_layers"]
+        stats: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        for name, t in tensors.items():
+            parts = name.split(".")
+            if parts[0] == "stats" and len(parts) == 4:
+                stats.setdefault((int(parts[1]), parts[2]), {})[parts[3]] = t
+            elif parts[0] == "codebook" and len(parts) == 4:
+                self.codebooks[(int(parts[1]), parts[2], parts[3])] = t
+            elif parts[0] == "hybrid" and len(parts) == 3:
+                self.mse[parts[1]] = t
+
+        def bad(msg):
+            return ArtifactError(f"calibration artifact {self.path} is inconsistent: {msg}. Re-create it with: {fix}")
+
+        for layer in range(L):
+            for kv in KV:
+                s = stats.get((layer, kv), {})
+                if set(s) != {"mean", "std", "lo", "hi"}:
+                    raise bad(f"statistics of layer {layer} {kv.upper()} missing")
+                for t in s.values():
+                    if tuple(t.shape) != (H, D):
+                        raise bad(f"layer {layer} {kv.upper()} statistics have shape {tuple(t.shape)}, expected {(H, D)} (KV heads x head_dim)")
+                self.stats[(layer, kv)] = ChannelStats(s["mean"], s["std"], s["lo"], s["hi"])
+        for name in self.formats:
+            fmt = get_format(name)
+            methods = self.layer_methods.get(name)
+            if methods is None or any(len(methods.get(kv, [])) != L for kv in KV):
+                raise bad(f"per-layer method choice of {name} missing or not {L} layers long")
+            for layer in range(L):
+                for kv in KV:
+                    key = self.codebook_key(fmt, layer, kv)
+                    c = self.codebooks.get((layer, kv, key))
+                    method, chunk, k = parse_codebook_key(key)
+                    want = make_codec(method, chunk, k).codebook_shape(H, D)
+                    if c is None:
+                        raise bad(f"codebook {key} of layer {layer} {kv.upper()} (needed by {name}) missing")
+                    if tuple(c.shape) != want:
+                        raise bad(f"codebook {key} of layer {layer} {kv.upper()} has shape {tuple(c.shape)}, expected {want}")
+                    if not torch.isfinite(c).all():
+                        raise bad(f"codebook {key} of layer {layer} {kv.upper()} has non-finite values")
+
+    # ---- use -------------------------------------------------------------------------------------
+    def method_of(self, fmt: KVFormat, layer: int, kv: str) -> str:
+        return self.layer_methods[fmt.name][kv][layer]
+
+    def codebook_key(self, fmt: KVFormat, layer: int, kv: str) -> str:
+        if fmt.hybrid and self.method_of(fmt, layer, kv) == "channel":
+            return fmt.channel_twin_key
+        return fmt.codebook_key
+
+    def quantizers(
+        self,
+        format_name: str,
+        *,
+        outliers: bool = False,
+        layer_methods: dict[str, list[str]] | None = None,
+        device: str | torch.device = "cpu",
+    ) -> list[tuple[KVQuantizer, KVQuantizer]]:
+        """One (K, V) quantizer pair per layer. ``layer_methods`` overrides the hybrid choice
+        (e.g. all "temporal" for the pure-temporal ablation)."""
+        fmt = get_format(format_name)
+        if format_name not in self.formats:
+            raise ArtifactError(f"calibration artifact {self.path} has no codebooks for {format_name}")
+        out = []
+        for layer in range(self.num_layers):
+            pair = []
+            for kv in KV:
+                method = (layer_methods or self.layer_methods[format_name])[kv][layer]
+                chunk, k = fmt.chunk, fmt.n_centroids
+                key = fmt.channel_twin_key if method == "channel" and fmt.hybrid else fmt.codebook_key
+                if (layer, kv, key) not in self.codebooks:
+                    raise ArtifactError(f"calibration artifact {self.path} lacks codebook {key} for layer {layer} {kv.upper()}")
+                codec = make_codec(method, chunk, k, self.codebooks[(layer, kv, key)].to(device))
+                pair.append(KVQuantizer(codec, self.stats[(layer, kv)].to(device), outliers))
+            out.append(tuple(pair))
+        return out
+
+    def centroid_bytes(self, format_name: str) -> int:
+        """fp16 bytes of the codebooks a server needs for this format (all layers, K and V)."""
+        fmt = get_format(format_name)
+        return sum(
+            self.codebooks[(layer, kv, self.codebook_key(fmt, layer, kv))].numel() * 2
+            for layer in range(self.num_layers)
+            for kv in KV
+        )
+
+
+def default_artifact_path(model_dir: str | Path) -> Path:
+    return Path(model_dir) / ARTIFACT_FILENAME
+
+
+def all_format_names() -> list[str]:
+    return list(FORMATS)

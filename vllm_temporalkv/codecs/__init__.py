@@ -1,0 +1,34 @@
+"""Reference codecs in plain torch: the truth that kernels, the vLLM backend and calibration are
+tested against.  One module per method (temporal, channel, kvquant) behind the ``Codec``
+interface; ``quantizer`` adds what every method shares (normalization, sinks, blocks, outliers)."""
+
+from .base import Codec, exact_sq_dist, nearest
+from .channel import ChannelCodec
+from .kvquant import ScalarCodec
+from .temporal import TemporalCodec
+
+CODECS: dict[str, type[Codec]] = {
+    "temporal": TemporalCodec,
+    "channel": ChannelCodec,
+    "scalar": ScalarCodec,
+}
+
+
+def make_codec(method: str, chunk: int, n_centroids: int, centroids=None) -> Codec:
+    try:
+        cls = CODECS[method]
+    except KeyError:
+        raise ValueError(f"unknown codec method {method!r}; known: {', '.join(CODECS)}") from None
+    return cls(chunk, n_centroids, centroids)
+
+
+__all__ = [
+    "CODECS",
+    "ChannelCodec",
+    "Codec",
+    "ScalarCodec",
+    "TemporalCodec",
+    "exact_sq_dist",
+    "make_codec",
+    "nearest",
+]

@@ -1,0 +1,92 @@
+"""One (layer, K-or-V) cache quantizer: normalization + codec + outliers + sinks + blocks.
+
+This is the whole reference pipeline for raw (pre-RoPE for keys) values ``x`` of shape [T, H, D]:
+
+    encode:  x -> [clamp + pick exact outliers] -> z = (x - mean) * inv_std -> codes
+    decode:  codes -> centroids -> x = z * std + mean -> [restore exact outliers] -> cast
+
+Sinks (the first SINK_TOKENS tokens of a sequence) and the tail (a last incomplete block) are not
+encoded at all: they stay in the model's half precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..formats import BLOCK_TOKENS, SINK_TOKENS, outlier_cap
+from .base import Codec
+from .outliers import merge_outliers, split_outliers
+
+
+@dataclasses.dataclass
+class ChannelStats:
+    """Per-(KV head, channel) calibration statistics of one (layer, K-or-V), each [H, D] float32."""
+
+    mean: torch.Tensor
+    std: torch.Tensor
+    lo: torch.Tensor  # outlier thresholds: 0.5% / 99.5% quantiles of the raw values
+    hi: torch.Tensor
+
+    def __post_init__(self):
+        self.inv_std = torch.reciprocal(self.std.float())
+
+    def to(self, device) -> "ChannelStats":
+        return ChannelStats(*(t.to(device) for t in (self.mean, self.std, self.lo, self.hi)))
+
+
+@dataclasses.dataclass
+class Encoded:
+    codes: torch.Tensor  # uint8, the codec's natural layout
+    outlier_idx: torch.Tensor | None  # [nb, H, cap] int16, -1 = empty slot
+    outlier_val: torch.Tensor | None  # [nb, H, cap], the model's dtype (exact)
+
+
+class KVQuantizer:
+    def __init__(self, codec: Codec, stats: ChannelStats, outliers: bool = False):
+        self.codec = codec
+        self.stats = stats
+        self.outliers = outliers
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.stats
+        return (x.float() - s.mean) * s.inv_std
+
+    def denormalize(self, z: torch.Tensor) -> torch.Tensor:
+        s = self.stats
+        return z * s.std + s.mean
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        """x [T, H, D] (T a multiple of BLOCK_TOKENS), any float dtype."""
+        T, H, D = x.shape
+        if T % BLOCK_TOKENS:
+            raise ValueError(f"encode takes whole blocks of {BLOCK_TOKENS} tokens, got T={T}")
+        xf = x.float()
+        idx = val = None
+        if self.outliers:
+            s = self.stats
+            xf, idx, val = split_outliers(xf, s.lo, s.hi, s.inv_std, outlier_cap(D))
+            val = val.to(x.dtype)
+        return Encoded(self.codec.encode(self.normalize(xf)), idx, val)
+
+    def decode(self, enc: Encoded, T: int, dtype: torch.dtype) -> torch.Tensor:
+        x = self.denormalize(self.codec.decode(enc.codes, T))
+        if enc.outlier_idx is not None:
+            x = merge_outliers(x, enc.outlier_idx, enc.outlier_val.float())
+        return x.to(dtype)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.encode(x), x.shape[0], x.dtype)
+
+    def fake_quant(self, x: torch.Tensor, sinks: int = SINK_TOKENS) -> torch.Tensor:
+        """Simulated compression of one sequence [T, H, D]: sinks and the incomplete tail block
+        stay exact; every whole block after the sinks is encoded and decoded."""
+        T = x.shape[0]
+        start = min(sinks, T)
+        n = (T - start) // BLOCK_TOKENS * BLOCK_TOKENS
+        if n == 0:
+            return x
+        out = x.clone()
+        out[start : start + n] = self.roundtrip(x[start : start + n])
+        return out

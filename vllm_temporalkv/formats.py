@@ -1,0 +1,110 @@
+"""The registry of KV-cache formats: one place that says what each `--kv-cache-dtype` name means.
+
+Every format quantizes K and V of every layer / KV head with a codebook (vector quantization with
+one code per vector), after per-channel normalization.  They differ in what a *vector* is:
+
+* ``temporal`` (TemporalKV, the thesis): ``l`` consecutive tokens of one channel; 256 centroids,
+  one uint8 code per vector -> 8/l bits per float.  Codebooks are shared by groups of ``l``
+  adjacent channels (so centroid memory equals ChannelKV's, as in the thesis).
+* ``channel`` (ChannelKV = Coupled Quantization, seed 001): one token, ``l`` adjacent channels;
+  256 centroids per channel group.
+* ``scalar`` (KVQuant-style non-uniform datatype): one value; 2**bits centroids per channel.
+
+Shared by all formats (so they are compared on equal terms):
+* ``SINK_TOKENS`` first tokens of every sequence stay in half precision (attention sinks);
+* tokens are encoded in blocks of ``BLOCK_TOKENS`` (every chunk length divides it); the newest,
+  incomplete block waits in a half-precision tail - the thesis's "same small fp16 local window";
+* optional dense-and-sparse outliers: values outside per-channel calibration quantiles are kept
+  exactly, at most ``outlier_cap(head_dim)`` per (block, KV head, K/V), i.e. <= 1% of values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+SINK_TOKENS = 8
+BLOCK_TOKENS = 8
+OUTLIER_FRACTION = 0.01
+OUTLIER_QUANTILES = (0.005, 0.995)
+
+METHODS = ("temporal", "channel", "scalar")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVFormat:
+    name: str
+    method: str  # "temporal" | "channel" | "scalar"
+    bits: int  # nominal bits per float (index bits / floats per vector)
+    chunk: int  # floats per vector: tokens (temporal), channels (channel), 1 (scalar)
+    n_centroids: int
+
+    @property
+    def hybrid(self) -> bool:
+        """TemporalKV may use channel chunking on the layers where that has lower Fisher-MSE."""
+        return self.method == "temporal"
+
+    @property
+    def codebook_key(self) -> str:
+        return codebook_key(self.method, self.chunk, self.n_centroids)
+
+    @property
+    def channel_twin_key(self) -> str:
+        """Codebook used by the hybrid on layers where channel chunking wins (same l, same bits)."""
+        return codebook_key("channel", self.chunk, self.n_centroids)
+
+    def code_bits(self) -> int:
+        return (self.n_centroids - 1).bit_length()
+
+
+def codebook_key(method: str, chunk: int, n_centroids: int) -> str:
+    """Name of one family of codebooks inside a calibration artifact, e.g. ``temporal-l4-k256``."""
+    return f"{method}-l{chunk}-k{n_centroids}"
+
+
+def parse_codebook_key(key: str) -> tuple[str, int, int]:
+    m = re.fullmatch(r"(temporal|channel|scalar)-l(\d+)-k(\d+)", key)
+    if not m:
+        raise ValueError(f"not a codebook key: {key!r}")
+    return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+def _build() -> dict[str, KVFormat]:
+    out = {}
+    for bits, l in ((4, 2), (2, 4), (1, 8)):
+        out[f"temporalkv-{bits}bit"] = KVFormat(f"temporalkv-{bits}bit", "temporal", bits, l, 256)
+        out[f"channelkv-{bits}bit"] = KVFormat(f"channelkv-{bits}bit", "channel", bits, l, 256)
+        out[f"kvquant-{bits}bit"] = KVFormat(f"kvquant-{bits}bit", "scalar", bits, 1, 2**bits)
+    return out
+
+
+FORMATS: dict[str, KVFormat] = _build()
+
+
+class FormatError(ValueError):
+    pass
+
+
+def get_format(name: str) -> KVFormat:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise FormatError(
+            f"unknown KV format {name!r}; known formats: {', '.join(FORMATS)}"
+        ) from None
+
+
+def outlier_cap(head_dim: int) -> int:
+    """Most values kept exact per (block of BLOCK_TOKENS tokens, KV head, K or V): <= 1%."""
+    return int(OUTLIER_FRACTION * BLOCK_TOKENS * head_dim)
+
+
+def check_head_dim(fmt: KVFormat, head_dim: int) -> None:
+    if fmt.method == "channel" or fmt.hybrid:
+        if head_dim % fmt.chunk:
+            raise FormatError(
+                f"{fmt.name} groups {fmt.chunk} channels per vector, which does not divide "
+                f"head_dim={head_dim}; choose a format with a chunk length dividing {head_dim}"
+            )
+    if BLOCK_TOKENS % fmt.chunk and fmt.method == "temporal":
+        raise FormatError(f"{fmt.name}: chunk {fmt.chunk} must divide BLOCK_TOKENS={BLOCK_TOKENS}")
