@@ -1,0 +1,272 @@
+"""Quality harness: perplexity with simulated KV compression (the thesis protocol).
+
+Inside a HuggingFace model, the pre-RoPE K and V of every layer are replaced by their quantized-
+then-decoded values (hooks on the projections, so RoPE is applied after decoding, as in the thesis);
+the first SINK_TOKENS tokens stay in half precision.  Every query then attends over the decoded
+K/V.  This is the thesis's simulation: a token also sees the decoded values of the rest of its own
+chunk (the server instead keeps an incomplete chunk in half precision); see the note in README.
+
+    python -m benchmarks.quality --artifact A [--ablation-artifact B] [--windows 8] [--data brown]
+
+Configurations: ``bf16`` (the uncompressed KV cache: K/V rounded to bf16), every format with and
+without 1% outliers (``<format>-o1``), and the ablations: Fisher vs unweighted k-means
+(``<format>@unweighted``, needs ``--ablation-artifact`` calibrated with ``--no-fisher``), sinks
+compressed (``@sinks-compressed``), pure temporal chunking instead of the hybrid
+(``@pure-temporal``).  Results go to benchmarks/results/quality.{json,md} and PNG plots; each
+configuration is saved as soon as it is done, and a rerun with the same settings skips it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from vllm_temporalkv.artifact import Artifact
+from vllm_temporalkv.formats import FORMATS, get_format
+from vllm_temporalkv.hf_hooks import kv_output_hooks
+from vllm_temporalkv.layout import bits_per_float
+
+from .common import RESULTS, merge_headline, run_record, write_json
+
+KV_DTYPE = torch.bfloat16
+ABLATION_FORMATS = ("temporalkv-2bit", "temporalkv-1bit")
+
+
+def config_names(formats: list[str], ablations: bool, have_unweighted: bool) -> list[str]:
+    names = ["bf16"]
+    for f in formats:
+        names += [f, f"{f}-o1"]
+    if ablations:
+        for f in ABLATION_FORMATS:
+            if f not in formats:
+                continue
+            if have_unweighted:
+                names.append(f"{f}@unweighted")
+            names.append(f"{f}@sinks-compressed")
+            names.append(f"{f}@pure-temporal")
+    return names
+
+
+def parse_config(name: str) -> tuple[str | None, bool, str | None]:
+    """'temporalkv-2bit-o1@x' -> ('temporalkv-2bit', True, 'x'); 'bf16' -> (None, False, None)."""
+    base, _, ablation = name.partition("@")
+    if base == "bf16":
+        return None, False, None
+    outliers = base.endswith("-o1")
+    return base.removesuffix("-o1"), outliers, ablation or None
+
+
+class Simulator:
+    """Fake-quant hook for one configuration."""
+
+    def __init__(self, name: str, art: Artifact, art_unweighted: Artifact | None):
+        fmt, outliers, ablation = parse_config(name)
+        self.sinks = 0 if ablation == "sinks-compressed" else None
+        self.qs = None
+        if fmt is not None:
+            src = art_unweighted if ablation == "unweighted" else art
+            methods = None
+            if ablation == "pure-temporal":
+                methods = {kv: ["temporal"] * art.num_layers for kv in "kv"}
+            self.qs = src.quantizers(fmt, outliers=outliers, layer_methods=methods)
+
+    def __call__(self, layer: int, kind: str, out: torch.Tensor) -> torch.Tensor:
+        x = out.to(KV_DTYPE)
+        if self.qs is not None:
+            q = self.qs[layer][0 if kind == "k" else 1]
+            kw = {} if self.sinks is None else {"sinks": self.sinks}
+            x = torch.stack([q.fake_quant(x[b], **kw) for b in range(x.shape[0])])
+        return x.to(out.dtype)
+
+
+@torch.no_grad()
+def window_nll(model, windows: torch.Tensor, hook) -> tuple[float, int]:
+    """Summed next-token NLL and token count over windows [N, T]."""
+    nll, count = 0.0, 0
+    with kv_output_hooks(model, hook):
+        for w in windows:
+            ids = w[None].to(model.device)
+            logits = model(ids).logits.float()
+            nll += float(torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum"))
+            count += ids.shape[1] - 1
+    return nll, count
+
+
+def run(args) -> dict:
+    from vllm_temporalkv.corpora import load_corpus, token_windows
+    from vllm_temporalkv.models import load_hf_model, load_tokenizer, resolve_model
+
+    model_dir = resolve_model(args.model)
+    art_path = Path(args.artifact) if args.artifact else model_dir / "temporalkv.safetensors"
+    tok = load_tokenizer(model_dir)
+    model = load_hf_model(model_dir, dtype=torch.float32, device=args.device)
+    from vllm_temporalkv.artifact import model_fingerprint
+
+    fp = model_fingerprint(model.config)
+    art = Artifact.load(art_path, expect=fp, model_hint=args.model)
+    unweighted = Artifact.load(args.ablation_artifact, expect=fp) if args.ablation_artifact else None
+    formats = [f for f in (args.formats or list(FORMATS)) if f in art.formats]
+    names = config_names(formats, not args.no_ablations, unweighted is not None)
+    windows = token_windows(tok, load_corpus(args.data), args.seq_len, args.windows)
+
+    out_json = Path(args.out) / "quality.json"
+    settings = dict(data=args.data, windows=args.windows, seq_len=args.seq_len, model=str(args.model or "smollm2"),
+                    artifact_calibration=art.calibration, fingerprint=fp)
+    res = {}
+    if out_json.is_file():
+        import json
+
+        prev = json.loads(out_json.read_text())
+        if prev.get("settings") == settings:
+            res = prev.get("configs", {})
+    todo = [n for n in names if n not in res]
+    print(f"{len(names)} configurations, {len(todo)} to run, {args.windows} x {args.seq_len} tokens of {args.data}")
+    for name in tqdm(todo, desc="configs", unit="config"):
+        t0 = time.time()
+        nll, n = window_nll(model, windows, Simulator(name, art, unweighted))
+        fmt, outliers, _ = parse_config(name)
+        res[name] = {
+            "ppl": math.exp(nll / n),
+            "nll": nll / n,
+            "tokens": n,
+            "seconds": round(time.time() - t0, 1),
+            "bits": bits_per_float(get_format(fmt), fp["head_dim"], args.seq_len, outliers) if fmt else {"total": 16.0},
+        }
+        tqdm.write(f"{name:34} ppl {res[name]['ppl']:.3f}  ({res[name]['seconds']:.0f} s)")
+        report = {"settings": settings, "configs": res, "run": run_record(),
+                  "hybrid": {f: art.layer_methods[f] for f in formats if get_format(f).hybrid},
+                  "centroid_bytes": {f: art.centroid_bytes(f) for f in formats}}
+        write_json(out_json, report)
+
+    figures = {f"quality.{args.data}.{name}.ppl": r["ppl"] for name, r in res.items() if "@" not in name}
+    if not args.no_headline:
+        merge_headline(figures)
+    write_markdown(report, Path(args.out) / "quality.md")
+    plot(report, art, Path(args.out))
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# reporting
+
+
+def write_markdown(report: dict, path: Path) -> None:
+    s, res = report["settings"], report["configs"]
+    ctx = s["seq_len"]
+    lines = [
+        f"# Perplexity with simulated KV compression ({s['model']}, {s['data']}, "
+        f"{s['windows']} x {ctx} tokens)",
+        "",
+        f"Command: `{report['run']['command']}`  ",
+        f"Machine: {report['run']['machine']['cpu']} ({report['run']['machine'].get('gpu', 'no GPU')}), {report['run']['time']}  ",
+        f"Calibration: {s['artifact_calibration'].get('data')} "
+        f"{s['artifact_calibration'].get('num_samples')} x {s['artifact_calibration'].get('seq_len')} tokens, "
+        f"Fisher={s['artifact_calibration'].get('fisher')}",
+        "",
+        f"bits/float = codes + outliers (value + position) + {8} sink tokens + average tail at {ctx} tokens; "
+        "centroids are per model, listed separately.",
+        "",
+        "| bits | method | ppl | ppl, 1% outliers | bits/float | bits/float, outliers | centroids |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    base = res.get("bf16")
+    if base:
+        lines.append(f"| 16 | bf16 (uncompressed) | {base['ppl']:.3f} | | 16 | | |")
+    for bits in (4, 2, 1):
+        for method in ("kvquant", "channelkv", "temporalkv"):
+            f = f"{method}-{bits}bit"
+            if f not in res:
+                continue
+            o = res.get(f"{f}-o1", {})
+            cb = report["centroid_bytes"].get(f, 0) / 2**20
+            lines.append(
+                f"| {bits} | {f} | {res[f]['ppl']:.3f} | {o.get('ppl', float('nan')):.3f} | "
+                f"{res[f]['bits']['total']:.3f} | {o.get('bits', {}).get('total', float('nan')):.3f} | {cb:.2f} MiB |"
+            )
+    abl = [n for n in res if "@" in n]
+    if abl:
+        lines += ["", "## Ablations (no outliers)", "", "| configuration | ppl | method as calibrated |", "|---|---|---|"]
+        for n in abl:
+            base_name = n.split("@")[0]
+            lines.append(f"| {n} | {res[n]['ppl']:.3f} | {res[base_name]['ppl']:.3f} |" if base_name in res else f"| {n} | {res[n]['ppl']:.3f} | |")
+    hyb = report.get("hybrid", {})
+    if hyb:
+        lines += ["", "## Hybrid: layers where channel chunking has the lower Fisher-weighted MSE", ""]
+        for f, m in hyb.items():
+            ks = [i for i, x in enumerate(m["k"]) if x == "channel"]
+            vs = [i for i, x in enumerate(m["v"]) if x == "channel"]
+            lines.append(f"- {f}: K layers {ks or 'none'}; V layers {vs or 'none'}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(report: dict, art: Artifact, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = report["configs"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, suffix, title in ((axes[0], "", "no outliers"), (axes[1], "-o1", "1% outliers")):
+        for method, style in (("kvquant", "s--"), ("channelkv", "^-."), ("temporalkv", "o-")):
+            pts = [(res[f"{method}-{b}bit{suffix}"]["bits"]["total"], res[f"{method}-{b}bit{suffix}"]["ppl"])
+                   for b in (1, 2, 4) if f"{method}-{b}bit{suffix}" in res]
+            if pts:
+                ax.plot(*zip(*pts), style, label=method, marker=style[0])
+        if "bf16" in res:
+            ax.axhline(res["bf16"]["ppl"], color="gray", lw=1, label="bf16")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("bits per float (codes + outliers + sinks + tail)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel(f"perplexity ({report['settings']['data']})")
+    axes[0].legend()
+    fig.suptitle(f"{report['settings']['model']}: simulated KV compression")
+    fig.tight_layout()
+    fig.savefig(out / "quality_ppl.png", dpi=120)
+    plt.close(fig)
+
+    tables = {f: t for f, t in art.mse.items() if f in report.get("hybrid", {})}
+    if tables:
+        fig, axes = plt.subplots(1, len(tables), figsize=(5 * len(tables), 4), squeeze=False)
+        for ax, (f, t) in zip(axes[0], sorted(tables.items())):
+            L = t.shape[0]
+            for j, kv in enumerate("KV"):
+                ratio = (t[:, j, 0] / t[:, j, 1]).numpy()
+                ax.plot(range(L), ratio, "o-" if kv == "K" else "s--", label=kv)
+            ax.axhline(1.0, color="gray", lw=1)
+            ax.set_yscale("log")
+            ax.set_title(f"{f}: temporal / channel Fisher-MSE")
+            ax.set_xlabel("layer")
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("< 1: temporal chunking wins")
+        axes[0][0].legend()
+        fig.tight_layout()
+        fig.savefig(out / "quality_layer_mse.png", dpi=120)
+        plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--artifact", default=None, help="default: temporalkv.safetensors in the model folder")
+    p.add_argument("--ablation-artifact", default=None, help="an artifact calibrated with --no-fisher")
+    p.add_argument("--data", default="brown")
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--formats", nargs="+", default=None)
+    p.add_argument("--no-ablations", action="store_true")
+    p.add_argument("--no-headline", action="store_true", help="do not merge into headline.json")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=str(RESULTS))
+    run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

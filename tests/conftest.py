@@ -1,0 +1,28 @@
+import os
+
+import pytest
+
+# tests never reach the HF hub; vLLM (server tests) must not phone home either
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+TINY_FORMATS = ["temporalkv-2bit", "channelkv-2bit", "kvquant-2bit"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from vllm_temporalkv.models import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tmp_path_factory, smollm2_dir):
+    """A small but real calibration of SmolLM2: 2 windows x 256 tokens of Wikipedia leads."""
+    from calibrate import run_calibration
+
+    out = tmp_path_factory.mktemp("calib") / "tiny.safetensors"
+    run_calibration(model=str(smollm2_dir), formats=TINY_FORMATS, num_samples=2, seq_len=256,
+                    iters=5, output=out, progress=False, log=lambda *a: None)
+    return out

@@ -1,0 +1,85 @@
+"""A small real calibration of SmolLM2, its artifact, restart after interruption, and the harness."""
+
+import json
+
+import pytest
+import torch
+
+import calibrate
+from tests.conftest import TINY_FORMATS
+from vllm_temporalkv.artifact import Artifact, model_fingerprint
+from vllm_temporalkv.formats import SINK_TOKENS
+from vllm_temporalkv.models import load_hf_model
+
+
+def test_artifact_fits_smollm2(tiny_artifact, smollm2_dir):
+    fp = model_fingerprint(json.loads((smollm2_dir / "config.json").read_text()))
+    art = Artifact.load(tiny_artifact, expect=fp, formats=TINY_FORMATS)
+    assert art.fingerprint["num_kv_heads"] == 3 and art.fingerprint["head_dim"] == 64
+    assert art.calibration["num_samples"] == 2 and art.calibration["fisher"] is True
+    # hybrid: one choice per layer, for K and V separately, backed by the MSE table
+    m = art.layer_methods["temporalkv-2bit"]
+    t = art.mse["temporalkv-2bit"]
+    for layer in range(30):
+        for j, kv in enumerate("kv"):
+            assert m[kv][layer] == ("channel" if t[layer, j, 1] < t[layer, j, 0] else "temporal")
+    assert set(art.layer_methods["channelkv-2bit"]["k"]) == {"channel"}
+    s = art.stats[(5, "k")]
+    assert (s.std > 0).all() and (s.lo < s.hi).all()
+
+
+def test_interrupted_calibration_resumes_to_the_same_artifact(tiny_artifact, smollm2_dir, tmp_path, monkeypatch):
+    out = tmp_path / "resumed.safetensors"
+    real = calibrate.fit_layer
+
+    def failing(layer, *a, **kw):
+        if layer == 3:
+            raise KeyboardInterrupt
+        return real(layer, *a, **kw)
+
+    kw = dict(model=str(smollm2_dir), formats=TINY_FORMATS, num_samples=2, seq_len=256, iters=5,
+              output=out, progress=False, log=lambda *a: None)
+    monkeypatch.setattr(calibrate, "fit_layer", failing)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate.run_calibration(**kw)
+    work = tmp_path / "resumed.safetensors.work"
+    assert (work / "collected.safetensors").is_file()
+    assert sorted(p.name for p in work.glob("layer_*")) == [f"layer_{i:03d}.safetensors" for i in range(3)]
+    monkeypatch.setattr(calibrate, "fit_layer", real)
+    calibrate.run_calibration(**kw)
+    assert not work.exists()
+    a, b = Artifact.load(out), Artifact.load(tiny_artifact)
+    assert a.layer_methods == b.layer_methods
+    for k in b.codebooks:
+        assert torch.equal(a.codebooks[k], b.codebooks[k]), k
+
+
+def test_cli_rejects_bad_format(capsys):
+    from calibrate.__main__ import main
+
+    assert main(["--formats", "temporalkv-3bit"]) == 2
+    assert "unknown KV format 'temporalkv-3bit'" in capsys.readouterr().err
+
+
+def test_quality_harness_protocol(tiny_artifact, smollm2_dir, tmp_path):
+    """The simulated-compression hooks: bf16 is near-lossless, compression hurts, sinks stay exact."""
+    from benchmarks.quality import Simulator, window_nll
+    from vllm_temporalkv.corpora import load_corpus, token_windows
+    from vllm_temporalkv.models import load_tokenizer
+
+    art = Artifact.load(tiny_artifact)
+    model = load_hf_model(smollm2_dir)
+    ids = token_windows(load_tokenizer(smollm2_dir), load_corpus("brown"), 128, 1)
+    nll = {n: window_nll(model, ids, Simulator(n, art, None))[0]
+           for n in ("bf16", "kvquant-2bit", "temporalkv-2bit", "temporalkv-2bit@sinks-compressed")}
+    with torch.no_grad():
+        exact = float(torch.nn.functional.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:], reduction="sum"))
+    assert abs(nll["bf16"] - exact) / exact < 0.01
+    assert nll["temporalkv-2bit"] > nll["bf16"] and nll["kvquant-2bit"] > nll["bf16"]
+    assert nll["temporalkv-2bit@sinks-compressed"] != nll["temporalkv-2bit"]
+    # the hook leaves the sink tokens' K/V bit-exact (bf16) and changes the rest
+    sim = Simulator("temporalkv-2bit", art, None)
+    x = torch.randn(1, 64, 3, 64)
+    y = sim(4, "k", x)
+    assert torch.equal(y[0, :SINK_TOKENS], x[0, :SINK_TOKENS].bfloat16().float())
+    assert not torch.equal(y[0, SINK_TOKENS:], x[0, SINK_TOKENS:].bfloat16().float())
