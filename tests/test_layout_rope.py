@@ -1,0 +1,64 @@
+"""Page layout arithmetic and code packing; RoPE tables against transformers' own."""
+
+import pytest
+import torch
+
+from vllm_temporalkv.formats import FORMATS, get_format
+from vllm_temporalkv.layout import PageLayout, bits_per_float, pack_block_codes, unpack_block_codes
+from vllm_temporalkv.rope import Rope
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_pack_roundtrip_and_page_bytes(name):
+    f = get_format(name)
+    H, D = 3, 64
+    rows = {"temporal": 16 // f.chunk, "channel": 16, "scalar": 16}[f.method]
+    width = {"temporal": D, "channel": D // f.chunk, "scalar": D}[f.method]
+    codes = torch.randint(0, f.n_centroids, (rows, H, width), dtype=torch.uint8)
+    packed = pack_block_codes(f, codes)
+    lay = PageLayout(f, D, 128)
+    assert packed.shape == (2, H, lay.code_bytes)
+    assert torch.equal(unpack_block_codes(f, packed, D), codes)
+    # bytes per page: codes at the nominal rate + a fixed 16-token half-precision region
+    assert lay.bytes == 16 * 2 * D * 2 + 2 * 128 * D * f.bits // 8
+    assert lay.ratio_vs_half() == pytest.approx(16 / (f.bits + 16 * 16 / 128), rel=1e-9)
+
+
+def test_views_do_not_overlap():
+    lay = PageLayout(get_format("temporalkv-2bit"), 64, 128, outliers=True)
+    pages = torch.zeros(2, 3, lay.bytes, dtype=torch.uint8)
+    lay.region_view(pages, torch.bfloat16).fill_(1.0)
+    lay.codes_view(pages, "k").fill_(2)
+    lay.codes_view(pages, "v").fill_(3)
+    for kind, (a, b) in (("k", (4, 5.0)), ("v", (6, 7.0))):
+        i, v = lay.outlier_views(pages, kind, torch.bfloat16)
+        i.fill_(a)
+        v.fill_(b)
+    assert (lay.region_view(pages, torch.bfloat16) == 1.0).all()
+    assert (lay.codes_view(pages, "k") == 2).all() and (lay.codes_view(pages, "v") == 3).all()
+    assert (lay.outlier_views(pages, "k", torch.bfloat16)[0] == 4).all()
+
+
+def test_bits_accounting():
+    b = bits_per_float(get_format("temporalkv-2bit"), 64, 2048, outliers=True)
+    assert b["codes"] < 2 and b["sinks"] == pytest.approx(16 * 8 / 2048)
+    assert b["outliers"] == pytest.approx(5 * 32 / 512 * (2048 - 8 - 3.5) / 2048)
+    assert b["total"] == pytest.approx(sum(v for k, v in b.items() if k != "total"))
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "default", "rope_theta": 1e5},
+                                  {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}])
+def test_rope_matches_transformers(rope):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      rope_parameters=rope, max_position_embeddings=131072)
+    pos = torch.tensor([0, 1, 7, 8, 1000, 70000])
+    k = torch.randn(len(pos), 2, 64)
+    cos, sin = LlamaRotaryEmbedding(cfg)(k, pos[None])
+    _, ref = apply_rotary_pos_emb(k.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    r = Rope(cfg)
+    assert torch.allclose(r.apply(k, pos), ref[0].transpose(0, 1), atol=1e-5)
+    assert torch.allclose(r.invert(r.apply(k, pos), pos), k, atol=1e-5)
