@@ -1,0 +1,88 @@
+"""The torch paged cache: streamed writes in any chunking read back as sinks + decoded blocks + tail."""
+
+import pytest
+import torch
+
+from tests.test_artifact import CFG, synthetic_artifact
+from vllm_temporalkv.formats import BLOCK_TOKENS, SINK_TOKENS, get_format
+from vllm_temporalkv.kernels.reference import LayerCache, gather_kv, paged_attention, write_kv
+from vllm_temporalkv.layout import PageLayout
+from vllm_temporalkv.rope import Rope
+
+FORMATS = ["temporalkv-2bit", "channelkv-1bit", "kvquant-2bit"]
+
+
+def make_cache(fmt, layer, outliers, block_size=32, dtype=torch.bfloat16):
+    from transformers import LlamaConfig
+
+    art = synthetic_artifact(formats=FORMATS)
+    kq, vq = art.quantizers(fmt, outliers=outliers)[layer]
+    lay = PageLayout(get_format(fmt), art.fingerprint["head_dim"], block_size, outliers)
+    rope = Rope(LlamaConfig(**{k: v for k, v in CFG.items() if k != "architectures"}))
+    return LayerCache(get_format(fmt), lay, kq, vq, rope, dtype)
+
+
+def expected_kv(lc, k, v, n):
+    """What the cache should return for the first n tokens of a sequence."""
+    K, V = k[:n].to(lc.dtype).clone(), v[:n].to(lc.dtype).clone()
+    full = n // BLOCK_TOKENS
+    if full > 1:
+        sl = slice(BLOCK_TOKENS, full * BLOCK_TOKENS)
+        pos = torch.arange(BLOCK_TOKENS, full * BLOCK_TOKENS)
+        pre = lc.rope.invert(k[sl].to(lc.dtype), pos).to(lc.dtype)
+        K[sl] = lc.rope.apply(lc.k.decode(lc.k.encode(pre), len(pos), torch.float32), pos).to(lc.dtype)
+        V[sl] = lc.v.roundtrip(v[sl].to(lc.dtype))
+    return K, V
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("layer", [0, 1])  # layer 0 K is channel-chunked in the hybrid
+@pytest.mark.parametrize("outliers", [False, True])
+def test_streamed_writes_read_back(fmt, layer, outliers):
+    lc = make_cache(fmt, layer, outliers)
+    H, D = 2, 16
+    g = torch.Generator().manual_seed(layer)
+    n = 107
+    k, v = torch.randn(n, H, D, generator=g) * 2, torch.randn(n, H, D, generator=g)
+    pages = torch.zeros(8, H, lc.layout.bytes, dtype=torch.uint8)
+    table = torch.tensor([5, 2, 7, 0])  # scattered pages
+    # prefill in uneven chunks, then decode one token at a time
+    cuts = [0, 3, 11, 12, 45, 90] + list(range(91, n + 1))
+    for a, b in zip(cuts, cuts[1:]):
+        pos = torch.arange(a, b)
+        write_kv(lc, pages, k[a:b], v[a:b], pos, table[pos // lc.block_size])
+        K, V = gather_kv(lc, pages, table, b)
+        EK, EV = expected_kv(lc, k, v, b)
+        assert torch.equal(K[:SINK_TOKENS], EK[:SINK_TOKENS])  # sinks exact
+        assert torch.allclose(K.float(), EK.float(), atol=2e-2, rtol=1e-2), (a, b)
+        assert torch.equal(V, EV), (a, b)
+
+
+def test_two_requests_interleaved_and_attention():
+    lc = make_cache("temporalkv-2bit", 1, False)
+    H, D = 2, 16
+    g = torch.Generator().manual_seed(3)
+    pages = torch.zeros(8, H, lc.layout.bytes, dtype=torch.uint8)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    ks = [torch.randn(70, H, D, generator=g) for _ in range(2)]
+    vs = [torch.randn(70, H, D, generator=g) for _ in range(2)]
+    # one batch: request 0 prefills 0..40, request 1 prefills 0..25
+    lens = [40, 25]
+    key = torch.cat([ks[0][:40], ks[1][:25]])
+    val = torch.cat([vs[0][:40], vs[1][:25]])
+    pos = torch.cat([torch.arange(40), torch.arange(25)])
+    pid = torch.cat([tables[0][torch.arange(40) // 32], tables[1][torch.arange(25) // 32]])
+    write_kv(lc, pages, key, val, pos, pid)
+    # next step: both decode one token
+    q = torch.randn(2, 4, D, generator=g)
+    key = torch.stack([ks[0][40], ks[1][25]])
+    val = torch.stack([vs[0][40], vs[1][25]])
+    write_kv(lc, pages, key, val, torch.tensor([40, 25]), torch.tensor([tables[0][1], tables[1][0]]))
+    out = paged_attention(lc, pages, q, key, val, torch.tensor([0, 1, 2]), torch.tensor([41, 26]), tables, 0.25)
+    for r, n in enumerate([41, 26]):
+        EK, EV = expected_kv(lc, ks[r], vs[r], n - 1)
+        EK = torch.cat([EK, ks[r][n - 1 : n].to(lc.dtype)]).float().repeat_interleave(2, 1)
+        EV = torch.cat([EV, vs[r][n - 1 : n].to(lc.dtype)]).float().repeat_interleave(2, 1)
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[r], EK) * 0.25, -1)
+        ref = torch.einsum("ht,thd->hd", p, EV)
+        assert torch.allclose(out[r].float(), ref, atol=2e-2), r
