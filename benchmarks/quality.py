@@ -62,12 +62,19 @@ def parse_config(name: str) -> tuple[str | None, bool, str | None]:
 
 
 class Simulator:
-    """Fake-quant hook for one configuration."""
+    """Fake-quant hook for one configuration.
 
-    def __init__(self, name: str, art: Artifact, art_unweighted: Artifact | None):
+    protocol "thesis": the hook replaces K/V by their decoded values, for every query.
+    protocol "causal": what a decode step of the server sees - a query attends to decoded K/V of
+    the blocks completed before its own block, and to exact K/V of its own (incomplete) block; the
+    hook keeps K/V exact and stashes the decoded values for ``causal_attention``."""
+
+    def __init__(self, name: str, art: Artifact, art_unweighted: Artifact | None, protocol: str = "thesis"):
         fmt, outliers, ablation = parse_config(name)
+        self.protocol = protocol
         self.sinks = 0 if ablation == "sinks-compressed" else None
         self.qs = None
+        self.stash: dict[tuple[int, str], torch.Tensor] = {}
         if fmt is not None:
             src = art_unweighted if ablation == "unweighted" else art
             methods = None
@@ -80,14 +87,57 @@ class Simulator:
         if self.qs is not None:
             q = self.qs[layer][0 if kind == "k" else 1]
             kw = {} if self.sinks is None else {"sinks": self.sinks}
-            x = torch.stack([q.fake_quant(x[b], **kw) for b in range(x.shape[0])])
+            xq = torch.stack([q.fake_quant(x[b], **kw) for b in range(x.shape[0])])
+            if self.protocol == "causal":
+                self.stash[(layer, kind)] = xq.to(out.dtype)
+            else:
+                x = xq
         return x.to(out.dtype)
+
+
+_ACTIVE: dict = {}
+
+
+def causal_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers attention function for protocol "causal" (see Simulator)."""
+    from vllm_temporalkv.formats import BLOCK_TOKENS
+
+    sim, rope = _ACTIVE["sim"], _ACTIVE["rope"]
+    layer = module.layer_idx
+    B, Hq, T, D = query.shape
+    g = Hq // key.shape[1]
+    if sim.qs is None:
+        kq, vq = key, value
+    else:
+        pos = torch.arange(T, device=query.device)
+        kq = torch.stack([rope.apply(sim.stash[(layer, "k")][b], pos) for b in range(B)]).transpose(1, 2)
+        vq = sim.stash[(layer, "v")].transpose(1, 2)
+    rep = lambda t: t.float().repeat_interleave(g, 1)  # noqa: E731
+    q = query.float()
+    s_ex = torch.matmul(q, rep(key).transpose(2, 3)) * scaling
+    s_q = torch.matmul(q, rep(kq).transpose(2, 3)) * scaling
+    blk = torch.arange(T, device=query.device) // BLOCK_TOKENS
+    own = blk[:, None] == blk[None, :]  # the query's own (incomplete) block stays exact
+    causal = torch.arange(T, device=query.device)[None, :] > torch.arange(T, device=query.device)[:, None]
+    p = torch.softmax(torch.where(own, s_ex, s_q).masked_fill(causal, float("-inf")), -1)
+    out = torch.matmul(p * own, rep(value)) + torch.matmul(p * ~own, rep(vq))
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
 @torch.no_grad()
 def window_nll(model, windows: torch.Tensor, hook) -> tuple[float, int]:
     """Summed next-token NLL and token count over windows [N, T]."""
     nll, count = 0.0, 0
+    if getattr(hook, "protocol", "thesis") == "causal":
+        from transformers import AttentionInterface
+
+        from vllm_temporalkv.rope import Rope
+
+        AttentionInterface.register("tkv_causal", causal_attention)
+        _ACTIVE.update(sim=hook, rope=Rope(model.config))
+        model.set_attn_implementation("tkv_causal")
+    else:
+        model.set_attn_implementation("eager")
     with kv_output_hooks(model, hook):
         for w in windows:
             ids = w[None].to(model.device)
@@ -114,8 +164,9 @@ def run(args) -> dict:
     names = config_names(formats, not args.no_ablations, unweighted is not None)
     windows = token_windows(tok, load_corpus(args.data), args.seq_len, args.windows)
 
-    out_json = Path(args.out) / "quality.json"
-    settings = dict(data=args.data, windows=args.windows, seq_len=args.seq_len, model=str(args.model or "smollm2"),
+    suffix = "" if args.protocol == "thesis" else f"-{args.protocol}"
+    out_json = Path(args.out) / f"quality{suffix}.json"
+    settings = dict(protocol=args.protocol, data=args.data, windows=args.windows, seq_len=args.seq_len, model=str(args.model or "smollm2"),
                     artifact_calibration=art.calibration, fingerprint=fp)
     res = {}
     if out_json.is_file():
@@ -128,7 +179,7 @@ def run(args) -> dict:
     print(f"{len(names)} configurations, {len(todo)} to run, {args.windows} x {args.seq_len} tokens of {args.data}")
     for name in tqdm(todo, desc="configs", unit="config"):
         t0 = time.time()
-        nll, n = window_nll(model, windows, Simulator(name, art, unweighted))
+        nll, n = window_nll(model, windows, Simulator(name, art, unweighted, args.protocol))
         fmt, outliers, _ = parse_config(name)
         res[name] = {
             "ppl": math.exp(nll / n),
@@ -143,11 +194,11 @@ def run(args) -> dict:
                   "centroid_bytes": {f: art.centroid_bytes(f) for f in formats}}
         write_json(out_json, report)
 
-    figures = {f"quality.{args.data}.{name}.ppl": r["ppl"] for name, r in res.items() if "@" not in name}
+    figures = {f"quality.{args.data}{suffix}.{name}.ppl": r["ppl"] for name, r in res.items() if "@" not in name}
     if not args.no_headline:
         merge_headline(figures)
-    write_markdown(report, Path(args.out) / "quality.md")
-    plot(report, art, Path(args.out))
+    write_markdown(report, Path(args.out) / f"quality{suffix}.md")
+    plot(report, art, Path(args.out), suffix)
     return report
 
 
@@ -159,7 +210,7 @@ def write_markdown(report: dict, path: Path) -> None:
     s, res = report["settings"], report["configs"]
     ctx = s["seq_len"]
     lines = [
-        f"# Perplexity with simulated KV compression ({s['model']}, {s['data']}, "
+        f"# Perplexity with simulated KV compression, {s['protocol']} protocol ({s['model']}, {s['data']}, "
         f"{s['windows']} x {ctx} tokens)",
         "",
         f"Command: `{report['run']['command']}`  ",
@@ -204,7 +255,7 @@ def write_markdown(report: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def plot(report: dict, art: Artifact, out: Path) -> None:
+def plot(report: dict, art: Artifact, out: Path, suffix: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -227,9 +278,9 @@ def plot(report: dict, art: Artifact, out: Path) -> None:
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel(f"perplexity ({report['settings']['data']})")
     axes[0].legend()
-    fig.suptitle(f"{report['settings']['model']}: simulated KV compression")
+    fig.suptitle(f"{report['settings']['model']}: simulated KV compression ({report['settings']['protocol']} protocol)")
     fig.tight_layout()
-    fig.savefig(out / "quality_ppl.png", dpi=120)
+    fig.savefig(out / f"quality{suffix}_ppl.png", dpi=120)
     plt.close(fig)
 
     tables = {f: t for f, t in art.mse.items() if f in report.get("hybrid", {})}
@@ -262,6 +313,9 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--formats", nargs="+", default=None)
     p.add_argument("--no-ablations", action="store_true")
+    p.add_argument("--protocol", choices=("thesis", "causal"), default="thesis",
+                   help="thesis: every query sees decoded K/V; causal: a query's own block stays exact, "
+                        "as in a decode step of the server")
     p.add_argument("--no-headline", action="store_true", help="do not merge into headline.json")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=str(RESULTS))
