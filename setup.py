@@ -30,5 +30,6 @@ setup(
     },
     entry_points={
         "console_scripts": ["temporalkv-calibrate=calibrate.__main__:main"],
+        "vllm.general_plugins": ["vllm_temporalkv = vllm_temporalkv.vllm.plugin:register"],
     },
 )

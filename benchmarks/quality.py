@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from vllm_temporalkv.artifact import Artifact
+from vllm_temporalkv.artifact import Artifact, default_artifact_path
 from vllm_temporalkv.formats import FORMATS, get_format
 from vllm_temporalkv.hf_hooks import kv_output_hooks
 from vllm_temporalkv.layout import bits_per_float
@@ -152,7 +152,7 @@ def run(args) -> dict:
     from vllm_temporalkv.models import load_hf_model, load_tokenizer, resolve_model
 
     model_dir = resolve_model(args.model)
-    art_path = Path(args.artifact) if args.artifact else model_dir / "temporalkv.safetensors"
+    art_path = Path(args.artifact) if args.artifact else default_artifact_path(model_dir)
     tok = load_tokenizer(model_dir)
     model = load_hf_model(model_dir, dtype=torch.float32, device=args.device)
     from vllm_temporalkv.artifact import model_fingerprint
@@ -306,7 +306,7 @@ def plot(report: dict, art: Artifact, out: Path, suffix: str = "") -> None:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    p.add_argument("--artifact", default=None, help="default: temporalkv.safetensors in the model folder")
+    p.add_argument("--artifact", default=None, help="default: temporalkv/calibration.safetensors in the model folder")
     p.add_argument("--ablation-artifact", default=None, help="an artifact calibrated with --no-fisher")
     p.add_argument("--data", default="brown")
     p.add_argument("--windows", type=int, default=8)

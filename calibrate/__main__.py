@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plain (unweighted) k-means: the thesis's Fisher ablation")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--output", "-o", default=None,
-                   help="artifact path (default: temporalkv.safetensors inside the model folder)")
+                   help="artifact path (default: temporalkv/calibration.safetensors inside the model folder)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 

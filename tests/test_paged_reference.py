@@ -77,8 +77,8 @@ def test_two_requests_interleaved_and_attention():
     q = torch.randn(2, 4, D, generator=g)
     key = torch.stack([ks[0][40], ks[1][25]])
     val = torch.stack([vs[0][40], vs[1][25]])
-    write_kv(lc, pages, key, val, torch.tensor([40, 25]), torch.tensor([tables[0][1], tables[1][0]]))
     out = paged_attention(lc, pages, q, key, val, torch.tensor([0, 1, 2]), torch.tensor([41, 26]), tables, 0.25)
+    write_kv(lc, pages, key, val, torch.tensor([40, 25]), torch.tensor([tables[0][1], tables[1][0]]))
     for r, n in enumerate([41, 26]):
         EK, EV = expected_kv(lc, ks[r], vs[r], n - 1)
         EK = torch.cat([EK, ks[r][n - 1 : n].to(lc.dtype)]).float().repeat_interleave(2, 1)

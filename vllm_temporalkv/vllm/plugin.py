@@ -1,0 +1,157 @@
+"""The ``vllm.general_plugins`` entry point: runs in every vLLM process (API server, engine core,
+workers) before configs are parsed, and makes ``--kv-cache-dtype temporalkv-2bit`` (and the other
+formats) work - leaving every other dtype to vLLM.
+
+Serving options (``--additional-config`` JSON or environment):
+    temporalkv_artifact  / VLLM_TEMPORALKV_ARTIFACT   calibration artifact (default:
+                                                      <model folder>/temporalkv/calibration.safetensors)
+    temporalkv_outliers  / VLLM_TEMPORALKV_OUTLIERS   keep 1% outliers exact (default false)
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from pathlib import Path
+
+from ..artifact import ENV_ARTIFACT, Artifact, ArtifactError, default_artifact_path, model_fingerprint
+from ..formats import FORMATS, BLOCK_TOKENS, check_head_dim, get_format
+
+logger = logging.getLogger("vllm.temporalkv")  # under vLLM's logger, so its handlers print it
+
+BACKEND_PATH = "vllm_temporalkv.vllm.backend.TemporalKVBackend"
+DEFAULT_BLOCK_SIZE = 1024  # large pages amortize the 16 half-precision tokens each page keeps
+ENV_OUTLIERS = "VLLM_TEMPORALKV_OUTLIERS"
+
+
+class TemporalKVConfigError(ValueError):
+    """A serving configuration the plugin cannot run correctly."""
+
+
+def register() -> None:
+    from . import compat
+
+    names = tuple(FORMATS)
+    compat.add_kv_cache_dtypes(names)
+    compat.register_custom_backend(BACKEND_PATH)
+    compat.route_kv_cache_dtypes(names, BACKEND_PATH, _validate_selection)
+    compat.hook_platform_config(_on_config)
+
+
+def is_ours(kv_cache_dtype) -> bool:
+    return kv_cache_dtype in FORMATS
+
+
+# ---------------------------------------------------------------------------------------------
+# configuration
+
+
+def _truthy(v) -> bool:
+    return str(v).lower() in ("1", "true", "yes", "on")
+
+
+def serving_options(vllm_config) -> dict:
+    extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+    model = vllm_config.model_config.model
+    path = extra.get("temporalkv_artifact") or os.environ.get(ENV_ARTIFACT)
+    if not path:
+        if not Path(model).is_dir():
+            raise TemporalKVConfigError(
+                f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype} needs a calibration artifact, and "
+                f"model {model!r} is not a local folder to look in; pass "
+                f"--additional-config '{{\"temporalkv_artifact\": \"PATH\"}}' or set {ENV_ARTIFACT}"
+            )
+        path = str(default_artifact_path(model))
+    outliers = _truthy(extra.get("temporalkv_outliers", os.environ.get(ENV_OUTLIERS, "0")))
+    return {"format": vllm_config.cache_config.cache_dtype, "artifact": path, "outliers": outliers,
+            "model": model}
+
+
+@functools.lru_cache(maxsize=4)
+def _load(path: str, fingerprint_json: str, fmt: str, model: str) -> Artifact:
+    return Artifact.load(path, expect=json.loads(fingerprint_json), formats=[fmt], model_hint=model)
+
+
+def load_artifact(vllm_config) -> Artifact:
+    """The artifact for this server, checked against the model (cached per process)."""
+    opts = serving_options(vllm_config)
+    fp = json.dumps(model_fingerprint(vllm_config.model_config.hf_config), sort_keys=True)
+    return _load(opts["artifact"], fp, opts["format"], opts["model"])
+
+
+def _check_model(vllm_config) -> None:
+    from ..hf_hooks import UnsupportedModelError, check_supported
+
+    mc = vllm_config.model_config
+    fmt = get_format(vllm_config.cache_config.cache_dtype)
+    problems = []
+    try:
+        check_supported(mc.hf_config)
+    except UnsupportedModelError as e:
+        problems.append(str(e))
+    if getattr(mc, "use_mla", False):
+        problems.append("MLA attention is not supported")
+    if getattr(mc, "is_hybrid", False):
+        problems.append("hybrid (attention + state-space) models are not supported")
+    try:
+        window = mc.get_sliding_window()
+    except Exception:
+        window = None
+    if window:
+        problems.append(f"sliding-window attention (window {window}) is not supported")
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding is not supported yet: drop --speculative-config")
+    if str(mc.dtype).removeprefix("torch.") not in ("bfloat16", "float16"):
+        problems.append(f"the model runs in {mc.dtype}; use --dtype bfloat16 or --dtype float16")
+    try:
+        check_head_dim(fmt, mc.get_head_size())
+    except ValueError as e:
+        problems.append(str(e))
+    if problems:
+        raise TemporalKVConfigError(f"--kv-cache-dtype {fmt.name}: " + "; ".join(problems))
+
+
+def _on_config(vllm_config) -> None:
+    """After the platform set its defaults: our block size, and refuse bad setups before any
+    worker starts (the same checks run again in each worker)."""
+    from . import compat
+
+    cc = vllm_config.cache_config
+    if not is_ours(cc.cache_dtype) or vllm_config.model_config is None:
+        return
+    _check_model(vllm_config)
+    if not compat.user_specified_block_size(cc):
+        if cc.block_size != DEFAULT_BLOCK_SIZE:
+            logger.info("%s: using KV block size %d (pages keep 16 half-precision tokens; large pages "
+                        "amortize them); pass --block-size to override", cc.cache_dtype, DEFAULT_BLOCK_SIZE)
+        cc.block_size = DEFAULT_BLOCK_SIZE
+    check_block_size(cc.block_size, cc.cache_dtype)
+    art = load_artifact(vllm_config)
+    logger.info("%s: calibration artifact %s (calibrated on %s, %s x %s tokens)", cc.cache_dtype, art.path,
+                art.calibration.get("data"), art.calibration.get("num_samples"), art.calibration.get("seq_len"))
+
+
+def check_block_size(block_size: int, dtype: str) -> None:
+    if block_size % BLOCK_TOKENS or block_size < 2 * BLOCK_TOKENS:
+        raise TemporalKVConfigError(
+            f"--kv-cache-dtype {dtype} needs --block-size to be a multiple of {BLOCK_TOKENS} and at least "
+            f"{2 * BLOCK_TOKENS} (got {block_size}); the default {DEFAULT_BLOCK_SIZE} gives the most capacity"
+        )
+
+
+def _validate_selection(sel) -> None:
+    """Per-layer checks at backend selection (runs in the workers)."""
+    if sel.use_mla:
+        raise TemporalKVConfigError(f"--kv-cache-dtype {sel.kv_cache_dtype}: MLA attention is not supported")
+    if sel.has_sliding_window:
+        raise TemporalKVConfigError(f"--kv-cache-dtype {sel.kv_cache_dtype}: sliding-window layers are not supported")
+    if sel.use_sparse or sel.has_sink:
+        raise TemporalKVConfigError(f"--kv-cache-dtype {sel.kv_cache_dtype}: sparse / learned-sink attention is not supported")
+    if sel.attn_type not in (None, "decoder"):
+        raise TemporalKVConfigError(f"--kv-cache-dtype {sel.kv_cache_dtype}: {sel.attn_type} attention is not supported")
+    check_head_dim(get_format(sel.kv_cache_dtype), sel.head_size)
+
+
+__all__ = ["ArtifactError", "TemporalKVConfigError", "register"]
