@@ -8,8 +8,11 @@ Cache contract (one layer; ``pages`` is ``[num_pages, H, layout.bytes]`` uint8, 
   BLOCK_TOKENS tokens is complete; then the block's keys are un-rotated to pre-RoPE, the block is
   encoded (normalize, outliers, argmin) and its codes written to the block's slot in the page.
   The sink block (positions 0..7) is never encoded.
-* attention of a step: cached context (positions < seq_len - q_len) read back from the pages
-  (sinks, decoded blocks with RoPE re-applied, tail) plus the step's own tokens as given.
+* attention: a query at position i sees the exact K/V of its own block (the sinks, or the
+  block's tokens so far, which wait in half precision) and the *decoded* K/V of every earlier
+  block - whether those blocks come from the pages or were completed within this very step.  So
+  what a token attends to does not depend on how prefills are chunked, on prefix-cache hits or
+  on batching: the same as a token-by-token decode (and as the quality harness's causal protocol).
   A step must attend *before* it writes its tokens: writing can reuse tail slots that still
   hold the context's incomplete block.
 """
@@ -165,18 +168,29 @@ def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n:
     return K, V
 
 
-def _attend(q, k, v, scale, causal_offset):
-    """q [Tq, Hq, D], k/v [Tk, Hkv, D]; query i sees keys j <= causal_offset + i."""
-    Hq, Hkv = q.shape[1], k.shape[1]
+def _decoded_blocks(lc: LayerCache, K: torch.Tensor, V: torch.Tensor, lo: int, hi: int):
+    """Encode-decode the whole blocks in positions [lo, hi) of exact K (post-RoPE) / V."""
+    pos = torch.arange(lo, hi, device=K.device)
+    k_pre = lc.rope.invert(K[lo:hi], pos).to(lc.dtype)
+    kq = lc.rope.apply(lc.k.decode(lc.k.encode(k_pre), hi - lo, torch.float32), pos).to(lc.dtype)
+    return kq, lc.v.roundtrip(V[lo:hi])
+
+
+def _attend(q, k_exact, v_exact, k_dec, v_dec, scale, offset):
+    """q [Tq, Hq, D] at positions offset..; keys [Tk, Hkv, D] in two versions: query i uses the
+    exact ones of its own block and the decoded ones elsewhere; causal."""
+    Hq, Hkv = q.shape[1], k_exact.shape[1]
     g = Hq // Hkv
+    Tq, Tk = q.shape[0], k_exact.shape[0]
+    heads = lambda t: t.float().transpose(0, 1).repeat_interleave(g, 0)  # noqa: E731
     qf = q.float().transpose(0, 1)  # [Hq, Tq, D]
-    kf = k.float().transpose(0, 1).repeat_interleave(g, 0)
-    vf = v.float().transpose(0, 1).repeat_interleave(g, 0)
-    s = torch.matmul(qf, kf.transpose(1, 2)) * scale
-    Tq, Tk = q.shape[0], k.shape[0]
-    mask = torch.arange(Tk, device=q.device)[None, :] > (causal_offset + torch.arange(Tq, device=q.device))[:, None]
-    s.masked_fill_(mask, -math.inf)
-    return torch.matmul(torch.softmax(s, -1), vf).transpose(0, 1)  # [Tq, Hq, D]
+    qpos = offset + torch.arange(Tq, device=q.device)
+    kpos = torch.arange(Tk, device=q.device)
+    own = (qpos[:, None] // BLOCK_TOKENS) == (kpos[None, :] // BLOCK_TOKENS)
+    s = torch.where(own, qf @ heads(k_exact).transpose(1, 2), qf @ heads(k_dec).transpose(1, 2)) * scale
+    s.masked_fill_(kpos[None, :] > qpos[:, None], -math.inf)
+    p = torch.softmax(s, -1)
+    return ((p * own) @ heads(v_exact) + (p * ~own) @ heads(v_dec)).transpose(0, 1)  # [Tq, Hq, D]
 
 
 @torch.no_grad()
@@ -202,8 +216,15 @@ def paged_attention(
         if b == a:
             continue
         ctx = n - (b - a)
-        kc, vc = gather_kv(lc, pages, block_tables[r], ctx)
-        k = torch.cat([kc, key[a:b].to(lc.dtype)])
-        v = torch.cat([vc, value[a:b].to(lc.dtype)])
-        out[a:b] = _attend(query[a:b], k, v, scale, ctx).to(out.dtype)
+        kc, vc = gather_kv(lc, pages, block_tables[r], ctx)  # decoded blocks + exact tail
+        K = torch.cat([kc, key[a:b].to(lc.dtype)])
+        V = torch.cat([vc, value[a:b].to(lc.dtype)])
+        # blocks this step completes (the context's tail block included) also in decoded form
+        lo = max(SINK_TOKENS, ctx // BLOCK_TOKENS * BLOCK_TOKENS)
+        hi = n // BLOCK_TOKENS * BLOCK_TOKENS
+        Kd, Vd = K, V
+        if hi > lo:
+            Kd, Vd = K.clone(), V.clone()
+            Kd[lo:hi], Vd[lo:hi] = _decoded_blocks(lc, K, V, lo, hi)
+        out[a:b] = _attend(query[a:b], K, V, Kd, Vd, scale, ctx).to(out.dtype)
     return out
