@@ -23,6 +23,7 @@ setup(
         "transformers>=4.45",
         "gguf>=0.10",
         "accelerate",
+        "triton; platform_system == 'Linux'",  # GPU kernels; on the CPU they run in the interpreter (tests)
     ],
     extras_require={
         "bench": ["matplotlib", "openai>=1.0"],

@@ -147,6 +147,12 @@ def window_nll(model, windows: torch.Tensor, hook) -> tuple[float, int]:
     return nll, count
 
 
+def _report(settings: dict, res: dict, art: Artifact, formats: list[str]) -> dict:
+    return {"settings": settings, "configs": res, "run": run_record(),
+            "hybrid": {f: art.layer_methods[f] for f in formats if get_format(f).hybrid},
+            "centroid_bytes": {f: art.centroid_bytes(f) for f in formats}}
+
+
 def run(args) -> dict:
     from vllm_temporalkv.corpora import load_corpus, token_windows
     from vllm_temporalkv.models import load_hf_model, load_tokenizer, resolve_model
@@ -189,10 +195,9 @@ def run(args) -> dict:
             "bits": bits_per_float(get_format(fmt), fp["head_dim"], args.seq_len, outliers) if fmt else {"total": 16.0},
         }
         tqdm.write(f"{name:34} ppl {res[name]['ppl']:.3f}  ({res[name]['seconds']:.0f} s)")
-        report = {"settings": settings, "configs": res, "run": run_record(),
-                  "hybrid": {f: art.layer_methods[f] for f in formats if get_format(f).hybrid},
-                  "centroid_bytes": {f: art.centroid_bytes(f) for f in formats}}
-        write_json(out_json, report)
+        write_json(out_json, _report(settings, res, art, formats))
+    report = _report(settings, res, art, formats)
+    write_json(out_json, report)
 
     figures = {f"quality.{args.data}{suffix}.{name}.ppl": r["ppl"] for name, r in res.items() if "@" not in name}
     if not args.no_headline:

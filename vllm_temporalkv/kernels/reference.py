@@ -90,7 +90,7 @@ def write_kv(
     N = key.shape[0]
     i = torch.arange(N, device=key.device)
 
-    # 1. tokens whose block is not completed within this call wait in the tail slots
+    # 1. tokens whose block is not completed within this call will wait in the tail slots
     #    (a block completes in this call iff a later token of the same page closes it)
     completes_here = torch.zeros(N, dtype=torch.bool, device=key.device)
     for r in range(BLOCK_TOKENS):  # mark the rows of every block that ends in this call
@@ -100,6 +100,14 @@ def write_kv(
         same = (pid[src] == pid[ends][ok]) & (pos[src] == pos[ends][ok] - (BLOCK_TOKENS - 1 - r))
         completes_here[src[same]] = True
     kh, vh = key.to(lc.dtype), value.to(lc.dtype)
+
+    # 2. encode completed blocks: rows from this call's input, or from the tail slots - read
+    #    before step 3 writes, which may reuse those slots (a later block of the same page)
+    e = i[ends]
+    if e.numel():
+        _encode_completed(lc, pages, region, kh, vh, pos, pid, e)
+
+    # 3. the waiting tokens (and sinks) go to the region
     s = is_sink
     region[pid[s], :, pos[s], 0] = kh[s]
     region[pid[s], :, pos[s], 1] = vh[s]
@@ -107,13 +115,12 @@ def write_kv(
     region[pid[t], :, TAIL_SLOT0 + off[t], 0] = kh[t]
     region[pid[t], :, TAIL_SLOT0 + off[t], 1] = vh[t]
 
-    # 2. encode completed blocks: rows from this call's input, or from the tail slots
-    e = i[ends]
-    if e.numel() == 0:
-        return
+
+def _encode_completed(lc: LayerCache, pages, region, kh, vh, pos, pid, e) -> None:
+    """Gather the rows of the blocks ending at this call's tokens e, un-RoPE the keys, encode."""
     nblk = e.numel()
-    H, D = key.shape[1], key.shape[2]
-    kb = torch.empty(nblk, BLOCK_TOKENS, H, D, dtype=lc.dtype, device=key.device)
+    H, D = kh.shape[1], kh.shape[2]
+    kb = torch.empty(nblk, BLOCK_TOKENS, H, D, dtype=lc.dtype, device=kh.device)
     vb = torch.empty_like(kb)
     for r in range(BLOCK_TOKENS):
         src = e - (BLOCK_TOKENS - 1 - r)
@@ -124,7 +131,7 @@ def write_kv(
         from_tail_v = region[pid[e], :, TAIL_SLOT0 + r, 1]
         kb[:, r] = torch.where(inb[:, None, None], kh[srcc], from_tail_k)
         vb[:, r] = torch.where(inb[:, None, None], vh[srcc], from_tail_v)
-    block_pos = (pos[e] - (BLOCK_TOKENS - 1))[:, None] + torch.arange(BLOCK_TOKENS, device=key.device)
+    block_pos = (pos[e] - (BLOCK_TOKENS - 1))[:, None] + torch.arange(BLOCK_TOKENS, device=kh.device)
     k_pre = lc.rope.invert(kb.reshape(-1, H, D), block_pos.reshape(-1)).to(lc.dtype)
     slot = (pos[e] % lc.block_size) // BLOCK_TOKENS
     _encode_blocks(lc, pages, pid[e], slot, k_pre, vb.reshape(-1, H, D))

@@ -1,0 +1,174 @@
+"""Triton kernels against the torch reference (kernels/reference.py).
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before triton is
+imported), on small shapes; with one, the same tests run compiled, unchanged.  Cache updates must
+leave bit-identical pages (codes, outliers, sinks, tail); attention agrees within the model
+dtype's tolerance.
+"""
+
+import os
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from tests.test_artifact import synthetic_artifact  # noqa: E402
+from vllm_temporalkv.formats import get_format  # noqa: E402
+from vllm_temporalkv.kernels import reference, triton_decode, triton_encode  # noqa: E402
+from vllm_temporalkv.layout import PageLayout  # noqa: E402
+from vllm_temporalkv.rope import Rope  # noqa: E402
+
+H, GQ = 2, 3  # KV heads, query heads per KV head
+
+
+def make_cache(fmt, D, outliers, dtype, layer, block_size=16):
+    """A LayerCache of a synthetic artifact (layer 0: the hybrid's K is channel-chunked)."""
+    from transformers import LlamaConfig
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": H * GQ,
+           "num_key_value_heads": H, "hidden_size": H * GQ * D, "vocab_size": 100,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    art = synthetic_artifact(cfg, formats=[fmt])
+    kq, vq = art.quantizers(fmt, outliers=outliers, device=DEVICE)[layer]
+    rope = Rope(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"}), DEVICE)
+    lay = PageLayout(get_format(fmt), D, block_size, outliers)
+    return reference.LayerCache(get_format(fmt), lay, kq, vq, rope, dtype)
+
+
+# (format, head_dim, outliers, dtype, layer): every method and chunk length, the hybrid, both
+# head dims and dtypes, outliers on and off - a covering set rather than the full product
+CASES = [
+    ("temporalkv-4bit", 64, True, torch.bfloat16, 1),  # l = 2
+    ("temporalkv-2bit", 128, False, torch.float16, 1),  # l = 4
+    ("temporalkv-1bit", 64, True, torch.float16, 1),  # l = 8
+    ("temporalkv-2bit", 64, True, torch.float16, 0),  # hybrid: K channel, V temporal
+    ("temporalkv-1bit", 128, False, torch.bfloat16, 0),  # hybrid, l = 8
+    ("channelkv-2bit", 128, True, torch.bfloat16, 1),
+    ("kvquant-4bit", 64, False, torch.bfloat16, 1),
+    ("kvquant-2bit", 128, True, torch.float16, 1),
+    ("kvquant-1bit", 64, True, torch.float16, 1),
+]
+IDS = [f"{f}-d{d}-{'o1' if o else 'o0'}-{str(t)[6:]}-L{layer}" for f, d, o, t, layer in CASES]
+
+
+def _randn(g, *shape, scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(DEVICE)
+
+
+def _batch(kv, calls, tables, block_size):
+    """Concatenate one call's rows: {request: (start, end)} -> key, value, positions, page ids."""
+    ks, vs, ps, ids = [], [], [], []
+    for r, (a, b) in calls.items():
+        pos = torch.arange(a, b, device=DEVICE)
+        ks.append(kv[r][0][a:b])
+        vs.append(kv[r][1][a:b])
+        ps.append(pos)
+        ids.append(tables[r][pos // block_size])
+    return torch.cat(ks), torch.cat(vs), torch.cat(ps), torch.cat(ids)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_write_kv_bit_exact(case):
+    fmt, D, outliers, dtype, layer = case
+    lc = make_cache(fmt, D, outliers, dtype, layer)
+    g = torch.Generator().manual_seed(1)
+    lens = {0: 40, 1: 6, 2: 21}
+    # scales: many outliers (request 0, beyond the cap), few (1, 2)
+    kv = {r: (_randn(g, n, H, D, scale=2.0 - r / 2), _randn(g, n, H, D, scale=2.0 - r / 2)) for r, n in lens.items()}
+    tables = torch.tensor([[3, 7, 1], [5, 0, 2], [9, 4, 8]], device=DEVICE)
+    pages = torch.randint(0, 256, (10, H, lc.layout.bytes), dtype=torch.uint8, generator=g).to(DEVICE)
+    ref = pages.clone()
+    # mixed requests per call; request 0's second call completes a block whose first rows wait in
+    # the tail and refills that tail within the same page; then a block-completing decode step
+    for calls in ({0: (0, 13), 1: (0, 5), 2: (0, 12)}, {0: (13, 30), 1: (5, 6), 2: (12, 21)},
+                  {0: (30, 32)}, {0: (32, 39)}, {0: (39, 40)}):
+        args = _batch(kv, calls, tables, lc.block_size)
+        reference.write_kv(lc, ref, *args)
+        triton_encode.write_kv(lc, pages, *args)
+        assert torch.equal(pages, ref), calls
+
+
+def _decode_setup(case, lens, block_size=16, seed=2):
+    fmt, D, outliers, dtype, layer = case
+    lc = make_cache(fmt, D, outliers, dtype, layer, block_size)
+    g = torch.Generator().manual_seed(seed)
+    R = len(lens)
+    per = -(-max(lens) // block_size)
+    tables = torch.randperm(R * per, generator=g).reshape(R, per).to(DEVICE)  # scattered pages
+    pages = torch.zeros(R * per, H, lc.layout.bytes, dtype=torch.uint8, device=DEVICE)
+    kv = {r: (_randn(g, n, H, D, scale=2.0), _randn(g, n, H, D)) for r, n in enumerate(lens)}
+    q = _randn(g, R, H * GQ, D).to(dtype)
+    return lc, pages, tables, kv, q
+
+
+def _tol(dtype):
+    # the interpreter's bf16 casts truncate; on a GPU the dot products take half-precision inputs
+    return 6e-2 if dtype == torch.bfloat16 else 6e-3
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_decode_matches_reference(case):
+    lens = [1, 5, 8, 9, 16, 17, 40, 75]  # < 8, 8..16, several pages
+    lc, pages, tables, kv, q = _decode_setup(case, lens)
+    ctx = {r: (0, n - 1) for r, n in enumerate(lens) if n > 1}
+    reference.write_kv(lc, pages, *_batch(kv, ctx, tables, lc.block_size))
+    key = torch.stack([kv[r][0][-1] for r in range(len(lens))]).to(lc.dtype)
+    val = torch.stack([kv[r][1][-1] for r in range(len(lens))]).to(lc.dtype)
+    qsl = torch.arange(len(lens) + 1, device=DEVICE)
+    sl = torch.tensor(lens, device=DEVICE)
+    scale = case[1] ** -0.5
+    ref = reference.paged_attention(lc, pages, q, key, val, qsl, sl, tables, scale)
+    for splits in (None, 3):
+        out = triton_decode.paged_attention(lc, pages, q, key, val, qsl, sl, tables, scale, splits=splits)
+        err = (out.float() - ref.float()).abs().amax((1, 2))
+        assert err.max() <= _tol(lc.dtype) * max(1.0, ref.float().abs().max().item()), (splits, err.tolist())
+
+
+def test_decode_steps_end_to_end():
+    """A few serving steps on Triton only (write, then attend), against the reference doing the same:
+    blocks complete mid-way, so freshly encoded codes are read back by the decode kernel."""
+    case = ("temporalkv-2bit", 64, True, torch.float16, 0)
+    lens = [14, 30]
+    lc, pages, tables, kv, _ = _decode_setup(case, [n + 4 for n in lens], block_size=16, seed=3)
+    ref = pages.clone()
+    args = _batch(kv, {0: (0, lens[0]), 1: (0, lens[1])}, tables, lc.block_size)
+    reference.write_kv(lc, ref, *args)
+    triton_encode.write_kv(lc, pages, *args)
+    g = torch.Generator().manual_seed(4)
+    for step in range(4):
+        pos = [n + step for n in lens]
+        q = _randn(g, 2, H * GQ, 64).half()
+        key = torch.stack([kv[r][0][p] for r, p in enumerate(pos)]).half()
+        val = torch.stack([kv[r][1][p] for r, p in enumerate(pos)]).half()
+        qsl = torch.arange(3, device=DEVICE)
+        sl = torch.tensor([p + 1 for p in pos], device=DEVICE)
+        want = reference.paged_attention(lc, ref, q, key, val, qsl, sl, tables, 0.125)
+        got = triton_decode.paged_attention(lc, pages, q, key, val, qsl, sl, tables, 0.125)
+        assert (got.float() - want.float()).abs().max() <= _tol(torch.float16), step
+        p = torch.tensor(pos, device=DEVICE)
+        pid = tables[torch.arange(2, device=DEVICE), p // lc.block_size]
+        reference.write_kv(lc, ref, key, val, p, pid)
+        triton_encode.write_kv(lc, pages, key, val, p, pid)
+        assert torch.equal(pages, ref), step
+
+
+def test_reference_tail_reuse_regression():
+    """A call that completes a block from the tail and refills the same page's tail must encode the
+    old tail rows (the reference once overwrote them first)."""
+    from tests.test_paged_reference import expected_kv, make_cache as small_cache
+
+    lc = small_cache("temporalkv-2bit", 1, False)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(21, 2, 16, generator=g), torch.randn(21, 2, 16, generator=g)
+    pages = torch.zeros(4, 2, lc.layout.bytes, dtype=torch.uint8)
+    table = torch.tensor([1, 2])
+    for a, b in ((0, 12), (12, 21)):
+        pos = torch.arange(a, b)
+        reference.write_kv(lc, pages, k[a:b], v[a:b], pos, table[pos // lc.block_size])
+    K, V = reference.gather_kv(lc, pages, table, 21)
+    EK, EV = expected_kv(lc, k, v, 21)
+    assert torch.equal(V, EV)
