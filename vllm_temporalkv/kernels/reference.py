@@ -180,7 +180,9 @@ def _decoded_blocks(lc: LayerCache, K: torch.Tensor, V: torch.Tensor, lo: int, h
     pos = torch.arange(lo, hi, device=K.device)
     k_pre = lc.rope.invert(K[lo:hi], pos).to(lc.dtype)
     kq = lc.rope.apply(lc.k.decode(lc.k.encode(k_pre), hi - lo, torch.float32), pos).to(lc.dtype)
-    return kq, lc.v.roundtrip(V[lo:hi])
+    # decoded exactly as gather_kv decodes a stored block (float32, then the model dtype)
+    vq = lc.v.decode(lc.v.encode(V[lo:hi]), hi - lo, torch.float32).to(lc.dtype)
+    return kq, vq
 
 
 def _attend(q, k_exact, v_exact, k_dec, v_dec, scale, offset):
@@ -189,8 +191,12 @@ def _attend(q, k_exact, v_exact, k_dec, v_dec, scale, offset):
     Hq, Hkv = q.shape[1], k_exact.shape[1]
     g = Hq // Hkv
     Tq, Tk = q.shape[0], k_exact.shape[0]
-    heads = lambda t: t.float().transpose(0, 1).repeat_interleave(g, 0)  # noqa: E731
-    qf = q.float().transpose(0, 1)  # [Hq, Tq, D]
+    # float64 on the CPU: a chunked prefill or a batch changes the matmul shapes and so the float32
+    # rounding; a last-bit change in one layer's output can flip a later layer's codes (a discrete
+    # jump).  In float64 the result, rounded to the model dtype, no longer depends on the shapes.
+    acc = torch.float64 if q.device.type == "cpu" else torch.float32
+    heads = lambda t: t.to(acc).transpose(0, 1).repeat_interleave(g, 0)  # noqa: E731
+    qf = q.to(acc).transpose(0, 1)  # [Hq, Tq, D]
     qpos = offset + torch.arange(Tq, device=q.device)
     kpos = torch.arange(Tk, device=q.device)
     own = (qpos[:, None] // BLOCK_TOKENS) == (kpos[None, :] // BLOCK_TOKENS)
