@@ -125,9 +125,8 @@ def causal_attention(module, query, key, value, attention_mask, scaling, dropout
 
 
 @torch.no_grad()
-def window_nll(model, windows: torch.Tensor, hook) -> tuple[float, int]:
-    """Summed next-token NLL and token count over windows [N, T]."""
-    nll, count = 0.0, 0
+def token_nlls(model, ids: torch.Tensor, hook) -> torch.Tensor:
+    """Next-token NLL of every token of ids [T] after the first ([T - 1], float32) under a hook."""
     if getattr(hook, "protocol", "thesis") == "causal":
         from transformers import AttentionInterface
 
@@ -139,11 +138,18 @@ def window_nll(model, windows: torch.Tensor, hook) -> tuple[float, int]:
     else:
         model.set_attn_implementation("eager")
     with kv_output_hooks(model, hook):
-        for w in windows:
-            ids = w[None].to(model.device)
-            logits = model(ids).logits.float()
-            nll += float(torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum"))
-            count += ids.shape[1] - 1
+        x = ids[None].to(model.device)
+        logits = model(x).logits.float()
+        return torch.nn.functional.cross_entropy(logits[0, :-1], x[0, 1:], reduction="none").cpu()
+
+
+def window_nll(model, windows: torch.Tensor, hook) -> tuple[float, int]:
+    """Summed next-token NLL and token count over windows [N, T]."""
+    nll, count = 0.0, 0
+    for w in windows:
+        t = token_nlls(model, w, hook)
+        nll += float(t.sum())
+        count += t.numel()
     return nll, count
 
 

