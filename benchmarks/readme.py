@@ -43,6 +43,30 @@ def quality_table(h: dict) -> list[str]:
     return out
 
 
+def capacity_table(h: dict) -> list[str]:
+    rows: dict[str, dict[str, float]] = {}
+    for k, v in h.items():
+        m = re.fullmatch(r"capacity\.([^.]+)\.(.+)\.ratio_vs_auto", k)
+        if m:
+            rows.setdefault(m.group(1), {})[m.group(2)] = v
+    out = []
+    for where, r in sorted(rows.items()):
+        out += [f"**KV capacity vLLM reports, {where}** (tokens that fit in the same KV memory ÷ those for "
+                f"`--kv-cache-dtype auto`; details in [benchmarks/results/capacity.md](benchmarks/results/capacity.md))",
+                "", "| bits | " + " | ".join(f"{m} | {m} +1% outliers" for m in METHODS) + " |",
+                "|---|" + "---|" * (2 * len(METHODS))]
+        others = [f"{n} {_fmt(v)}×" for n, v in sorted(r.items()) if not any(n.startswith(m + "-") for m in METHODS)]
+        for bits in (4, 2, 1):
+            cells = []
+            for m in METHODS:
+                cells += [_fmt(r.get(f"{m}-{bits}bit")), _fmt(r.get(f"{m}-{bits}bit-o1"))]
+            out.append(f"| {bits} | " + " | ".join(cells) + " |")
+        if others:
+            out += ["", "vLLM's own formats: " + ", ".join(others)]
+        out.append("")
+    return out
+
+
 def generic_table(h: dict, bench: str, title: str) -> list[str]:
     items = {k: v for k, v in h.items() if k.startswith(bench + ".")}
     if not items:
@@ -54,7 +78,7 @@ def generic_table(h: dict, bench: str, title: str) -> list[str]:
 
 def render(h: dict) -> str:
     lines = quality_table(h)
-    lines += generic_table(h, "capacity", "KV capacity vLLM reports, relative to `--kv-cache-dtype auto`")
+    lines += capacity_table(h)
     lines += generic_table(h, "retrieval", "Long-context retrieval accuracy")
     lines += generic_table(h, "kernels", "Kernels")
     lines += generic_table(h, "throughput", "Throughput")

@@ -35,7 +35,7 @@ class ServerFailed(RuntimeError):
 class VLLMServer:
     """``with VLLMServer(model, "--kv-cache-dtype", "temporalkv-2bit") as s: s.url ...``"""
 
-    def __init__(self, model: str | Path, *args: str, kv_space_gib: float = 1, timeout: float = 600,
+    def __init__(self, model: str | Path, *args: str, kv_space_gib: int = 1, timeout: float = 600,
                  env: dict | None = None, log_path: str | Path | None = None):
         self.model = str(model)
         self.args = list(args)
@@ -43,7 +43,7 @@ class VLLMServer:
         self.timeout = timeout
         self.env = dict(os.environ)
         self.env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-                        VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib), VLLM_TARGET_DEVICE=self.env.get("VLLM_TARGET_DEVICE", "cpu"))
+                        VLLM_CPU_KVCACHE_SPACE=str(int(kv_space_gib)), VLLM_TARGET_DEVICE=self.env.get("VLLM_TARGET_DEVICE", "cpu"))
         self.env.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
         self.env.update(env or {})
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])

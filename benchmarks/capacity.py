@@ -1,0 +1,141 @@
+"""KV capacity: how many tokens vLLM says fit in the same KV memory, per --kv-cache-dtype.
+
+    python -m benchmarks.capacity                      # SmolLM2 on this machine's vLLM, 1 GiB of KV
+    python -m benchmarks.capacity --formats auto temporalkv-2bit --block-sizes 1024
+
+Each configuration starts the real server (`python -m vllm.entrypoints.openai.api_server`) and reads
+the "KV cache size: N tokens" line vLLM logs once it has sized the cache; the server is stopped
+right after (started with --enforce-eager: the sizing does not depend on it). The ratio to `auto` is what a user gets: N for the format / N for auto, same memory.
+Also measured: where the half-precision sinks and tail live costs capacity per page, so the
+page (block) size is swept for temporalkv-2bit.
+Writes capacity.json / capacity.md / capacity.png under benchmarks/results/ and merges
+``capacity.<model>-<device>.<format>.ratio_vs_auto`` into headline.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from vllm_temporalkv.formats import FORMATS
+
+from .common import RESULTS, merge_headline, run_record, write_json
+from .vllm_server import CAPACITY_RE, VLLMServer
+
+
+def measure(model: str, dtype: str, kv_space_gib: int, max_len: int, extra: list[str], timeout: float = 900) -> dict:
+    """Start a server, wait for the KV sizing line (or an exit), stop it."""
+    s = VLLMServer(model, "--kv-cache-dtype", dtype, "--max-model-len", str(max_len), "--dtype", "bfloat16",
+                   "--enforce-eager", *extra, kv_space_gib=kv_space_gib)  # no compile warm-up: sizing comes first
+    t0 = time.time()
+    s.launch()
+    try:
+        while time.time() - t0 < timeout:
+            m = CAPACITY_RE.findall(s.log())
+            if m:
+                return {"tokens": int(m[-1].replace(",", "")), "seconds": round(time.time() - t0, 1)}
+            if s.proc.poll() is not None:
+                err = [ln for ln in s.log().splitlines() if "Error" in ln or "error" in ln]
+                return {"error": (err[-1] if err else f"exit code {s.proc.returncode}")[-400:]}
+            time.sleep(1)
+        return {"error": f"no KV sizing line after {timeout} s"}
+    finally:
+        s.stop()
+
+
+def configs(formats: list[str], block_sizes: list[int], outliers: bool) -> list[tuple[str, str, list[str]]]:
+    out = []
+    for f in formats:
+        if f not in FORMATS:
+            out.append((f, f, []))
+            continue
+        out.append((f, f, []))
+        if outliers:
+            out.append((f"{f}-o1", f, ["--additional-config", json.dumps({"temporalkv_outliers": True})]))
+    for b in block_sizes:
+        out.append((f"temporalkv-2bit@block{b}", "temporalkv-2bit", ["--block-size", str(b)]))
+    return out
+
+
+def write_markdown(rep: dict, path: Path) -> None:
+    s = rep["settings"]
+    lines = [f"# KV capacity vLLM reports ({s['model']}, {s['kv_space_gib']} GiB of KV memory, max model len {s['max_model_len']})",
+             "", f"Command: `{rep['run']['command']}`  ", f"Machine: {rep['run']['machine']['cpu']}, {rep['run']['time']}", "",
+             "| --kv-cache-dtype | KV tokens | × auto | note |", "|---|---|---|---|"]
+    for name, r in rep["configs"].items():
+        if "error" in r:
+            lines.append(f"| {name} | – | – | refused: {r['error'][:160].replace('|', '/')} |")
+        else:
+            lines.append(f"| {name} | {r['tokens']:,} | {r.get('ratio_vs_auto', float('nan')):.2f} | |")
+    lines += ["", "`-o1`: 1% dense-and-sparse outliers enabled (`--additional-config '{\"temporalkv_outliers\": true}'`).",
+              "`@blockN`: `--block-size N`; each page keeps 16 half-precision token slots (8 sinks, 8 tail) per KV head,",
+              "so small pages spend a larger share on them - hence the default of 1024-token pages."]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(rep: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    items = [(n, r["ratio_vs_auto"]) for n, r in rep["configs"].items() if "ratio_vs_auto" in r]
+    fig, ax = plt.subplots(figsize=(10, 0.35 * len(items) + 1.5))
+    ax.barh([n for n, _ in items][::-1], [v for _, v in items][::-1], color="tab:blue")
+    for i, (_, v) in enumerate(items[::-1]):
+        ax.text(v, i, f" {v:.2f}×", va="center", fontsize=8)
+    ax.axvline(1.0, color="gray", lw=1)
+    ax.set_xlabel("KV tokens vLLM reports ÷ those for --kv-cache-dtype auto (same memory)")
+    ax.set_title(f"KV capacity, {rep['settings']['model']} ({rep['run']['machine']['cpu']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    from vllm_temporalkv.models import resolve_model
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.capacity", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct (its artifact "
+                   "must be in <model>/temporalkv/calibration.safetensors: run `python -m calibrate` first)")
+    p.add_argument("--name", default="smollm2-cpu", help="model-and-device tag in the headline keys")
+    p.add_argument("--formats", nargs="+", default=["auto", "fp8"] + list(FORMATS))
+    p.add_argument("--block-sizes", nargs="*", type=int, default=[64, 256, 2048])
+    p.add_argument("--no-outliers", action="store_true", help="skip the -o1 configurations")
+    p.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    model = str(resolve_model(args.model))
+    if "auto" not in args.formats:
+        args.formats = ["auto"] + args.formats
+    res = {}
+    todo = configs(args.formats, args.block_sizes, not args.no_outliers)
+    for name, dtype, extra in tqdm(todo, desc="servers", unit="server"):
+        res[name] = measure(model, dtype, args.kv_space_gib, args.max_model_len, extra)
+        tqdm.write(f"{name:34} {res[name]}")
+        if name == "auto" and "tokens" not in res[name]:
+            raise SystemExit(f"--kv-cache-dtype auto did not start: {res[name]}")
+    base = res["auto"].get("tokens")
+    if not base:
+        raise SystemExit(f"--kv-cache-dtype auto did not start: {res['auto']}")
+    for r in res.values():
+        if "tokens" in r:
+            r["ratio_vs_auto"] = r["tokens"] / base
+    rep = {"settings": {"model": args.name, "kv_space_gib": args.kv_space_gib, "max_model_len": args.max_model_len},
+           "configs": res, "run": run_record()}
+    out = Path(args.out)
+    write_json(out / "capacity.json", rep)
+    write_markdown(rep, out / "capacity.md")
+    plot(rep, out / "capacity.png")
+    merge_headline({f"capacity.{args.name}.{n}.ratio_vs_auto": r["ratio_vs_auto"]
+                    for n, r in res.items() if "ratio_vs_auto" in r and "@" not in n and n != "auto"})
+    print((out / "capacity.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
