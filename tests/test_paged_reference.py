@@ -114,3 +114,42 @@ def test_attention_does_not_depend_on_chunking(fmt):
                           + torch.triu(torch.full((n, n), -1e9), 1), -1)
     exact = torch.einsum("hts,shd->thd", exact, v.repeat_interleave(2, 1))
     assert (outs[0] - exact).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("offset,tq", [(0, 37), (21, 40), (64, 9)])
+def test_attend_tiles_match_the_definition(offset, tq):
+    """The tiled, band-limited attention equals its definition (own block exact, decoded elsewhere,
+    causal), computed densely, for any query tile size."""
+    from vllm_temporalkv.kernels.reference import _attend
+
+    g = torch.Generator().manual_seed(offset + tq)
+    Hkv, grp, D = 2, 3, 16
+    tk = offset + tq
+    q = torch.randn(tq, Hkv * grp, D, generator=g, dtype=torch.float64)
+    ke, ve, kd, vd = (torch.randn(tk, Hkv, D, generator=g, dtype=torch.float64) for _ in range(4))
+    qpos, kpos = offset + torch.arange(tq), torch.arange(tk)
+    own = (qpos[:, None] // BLOCK_TOKENS) == (kpos[None, :] // BLOCK_TOKENS)
+    rep = lambda t: t.transpose(0, 1).repeat_interleave(grp, 0)  # noqa: E731
+    s = torch.where(own, q.transpose(0, 1) @ rep(ke).transpose(1, 2), q.transpose(0, 1) @ rep(kd).transpose(1, 2)) * 0.3
+    p = torch.softmax(s.masked_fill(kpos[None, :] > qpos[:, None], -float("inf")), -1)
+    want = ((p * own) @ rep(ve) + (p * ~own) @ rep(vd)).transpose(0, 1)
+    for tile in (1, 5, 256):
+        got = _attend(q, ke, ve, kd, vd, 0.3, offset, q_tile=tile)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("offset,tq", [(0, 37), (21, 40), (64, 9), (300, 130)])
+def test_sdpa_path_matches_the_exact_one(offset, tq):
+    """The fast float32 path (flash attention over decoded keys, merged with the own-block band) agrees with the
+    float64 definition, for any tile size."""
+    from vllm_temporalkv.kernels.reference import _attend, _attend_fast
+
+    g = torch.Generator().manual_seed(7 + offset + tq)
+    Hkv, grp, D = 2, 3, 16
+    tk = offset + tq
+    q = torch.randn(tq, Hkv * grp, D, generator=g)
+    ke, ve, kd, vd = (torch.randn(tk, Hkv, D, generator=g) for _ in range(4))
+    want = _attend(q, ke, ve, kd, vd, 0.3, offset)
+    for tile in (1, 5, 64, 512):
+        torch.testing.assert_close(_attend_fast(q, ke, ve, kd, vd, 0.3, offset, q_tile=tile), want.float(),
+                                   rtol=1e-5, atol=1e-5)

@@ -154,6 +154,7 @@ class TemporalKVImpl(AttentionImpl):
         cfg = get_current_vllm_config()
         opts = serving_options(cfg)
         # everything later steps need, captured while the config is current (forward runs without)
+        self._batch_invariant = opts["batch_invariant"]
         self._setup = dict(format=kv_cache_dtype, outliers=opts["outliers"], block_size=cfg.cache_config.block_size,
                            dtype=cfg.model_config.dtype, hf_config=cfg.model_config.hf_config,
                            artifact=load_artifact(cfg))
@@ -183,6 +184,6 @@ class TemporalKVImpl(AttentionImpl):
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
         reference.paged_attention(lc, pages, q, k, v, m.query_start_loc, m.seq_lens, m.block_table,
-                                  self.scale, out=out)
+                                  self.scale, out=out, batch_invariant=self._batch_invariant)
         reference.write_kv(lc, pages, k, v, m.positions, m.page_ids)
         return output

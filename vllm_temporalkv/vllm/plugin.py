@@ -6,6 +6,10 @@ Serving options (``--additional-config`` JSON or environment):
     temporalkv_artifact  / VLLM_TEMPORALKV_ARTIFACT   calibration artifact (default:
                                                       <model folder>/temporalkv/calibration.safetensors)
     temporalkv_outliers  / VLLM_TEMPORALKV_OUTLIERS   keep 1% outliers exact (default false)
+    temporalkv_batch_invariant / VLLM_TEMPORALKV_BATCH_INVARIANT
+                                                      outputs independent of chunking and batching
+                                                      (float64 attention on the CPU, ~5x slower;
+                                                      default: vLLM's VLLM_BATCH_INVARIANT)
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ logger = logging.getLogger("vllm.temporalkv")  # under vLLM's logger, so its han
 BACKEND_PATH = "vllm_temporalkv.vllm.backend.TemporalKVBackend"
 DEFAULT_BLOCK_SIZE = 1024  # large pages amortize the 16 half-precision tokens each page keeps
 ENV_OUTLIERS = "VLLM_TEMPORALKV_OUTLIERS"
+ENV_BATCH_INVARIANT = "VLLM_TEMPORALKV_BATCH_INVARIANT"
 
 
 class TemporalKVConfigError(ValueError):
@@ -65,8 +70,10 @@ def serving_options(vllm_config) -> dict:
             )
         path = str(default_artifact_path(model))
     outliers = _truthy(extra.get("temporalkv_outliers", os.environ.get(ENV_OUTLIERS, "0")))
+    invariant = _truthy(extra.get("temporalkv_batch_invariant", os.environ.get(
+        ENV_BATCH_INVARIANT, os.environ.get("VLLM_BATCH_INVARIANT", "0"))))
     return {"format": vllm_config.cache_config.cache_dtype, "artifact": path, "outliers": outliers,
-            "model": model}
+            "batch_invariant": invariant, "model": model}
 
 
 @functools.lru_cache(maxsize=4)
