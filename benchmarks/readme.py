@@ -67,6 +67,26 @@ def capacity_table(h: dict) -> list[str]:
     return out
 
 
+def retrieval_table(h: dict) -> list[str]:
+    rows: dict[str, dict[str, dict[str, float]]] = {}
+    for k, v in h.items():
+        m = re.fullmatch(r"retrieval\.([^.]+)\.(.+)\.(avg_accuracy(?:_4k_8k)?)", k)
+        if m:
+            rows.setdefault(m.group(1), {}).setdefault(m.group(2), {})[m.group(3)] = v
+    out = []
+    for name, r in sorted(rows.items()):
+        base = r.get("auto", {})
+        out += [f"**Long-context retrieval through the server, {name}** (RULER-style tasks, accuracy 0-1; details "
+                f"and the command in [benchmarks/results/retrieval.md](benchmarks/results/retrieval.md))", "",
+                "| --kv-cache-dtype | average | 4k-8k | 4k-8k ÷ auto |", "|---|---|---|---|"]
+        for f, x in sorted(r.items(), key=lambda kv: (kv[0] != "auto", kv[0] != "fp8", kv[0])):
+            long, bl = x.get("avg_accuracy_4k_8k"), base.get("avg_accuracy_4k_8k")
+            ratio = _fmt(long / bl) if long is not None and bl else "–"
+            out.append(f"| {f} | {_fmt(x.get('avg_accuracy'), 3)} | {_fmt(long, 3)} | {ratio} |")
+        out.append("")
+    return out
+
+
 def generic_table(h: dict, bench: str, title: str) -> list[str]:
     items = {k: v for k, v in h.items() if k.startswith(bench + ".")}
     if not items:
@@ -79,7 +99,7 @@ def generic_table(h: dict, bench: str, title: str) -> list[str]:
 def render(h: dict) -> str:
     lines = quality_table(h)
     lines += capacity_table(h)
-    lines += generic_table(h, "retrieval", "Long-context retrieval accuracy")
+    lines += retrieval_table(h)
     lines += generic_table(h, "kernels", "Kernels")
     lines += generic_table(h, "throughput", "Throughput")
     return "\n".join(lines).strip() + "\n"

