@@ -1,0 +1,64 @@
+"""Regenerate every table and plot of the README from scratch.
+
+    python -m benchmarks                 # calibrate (if needed), quality, capacity, retrieval, [kernels], README
+    python -m benchmarks --only capacity retrieval
+    python -m benchmarks --dry-run       # print the commands
+
+Each step is the module's own command line with its defaults (run one alone for its options); the
+results land in benchmarks/results/ and headline.json, and the README's results block is rewritten
+from headline.json at the end. The kernel benchmark runs only where a CUDA GPU is present; the
+throughput tables come from the GPU box (benchmarks/throughput.py, see its docstring).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+STEPS = {
+    # name: (command after `python -m`, needs a GPU)
+    "calibrate-unweighted": (["calibrate", "--no-fisher", "--output", "runs/smollm2-unweighted.safetensors"], False),
+    "quality": (["benchmarks.quality", "--ablation-artifact", "runs/smollm2-unweighted.safetensors"], False),
+    "capacity": (["benchmarks.capacity"], False),
+    "retrieval": (["benchmarks.retrieval"], False),
+    "kernels": (["benchmarks.kernels"], True),
+    "readme": (["benchmarks.readme"], False),
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="+", choices=list(STEPS), default=None)
+    p.add_argument("--dry-run", action="store_true")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from vllm_temporalkv.models import resolve_model
+
+    steps = args.only or list(STEPS)
+    cmds = []
+    default_artifact = resolve_model(None) / "temporalkv" / "calibration.safetensors"
+    if not default_artifact.is_file() and any(s in steps for s in ("quality", "capacity", "retrieval")):
+        cmds.append(("calibrate", [sys.executable, "-m", "calibrate"]))
+    for name in steps:
+        cmd, gpu = STEPS[name]
+        if gpu and not torch.cuda.is_available():
+            print(f"skipping {name}: needs a CUDA GPU")
+            continue
+        if name == "calibrate-unweighted" and (ROOT / cmd[-1]).is_file():
+            continue
+        cmds.append((name, [sys.executable, "-m", *cmd]))
+    for name, cmd in cmds:
+        print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
+        if not args.dry_run:
+            subprocess.run(cmd, cwd=ROOT, check=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
