@@ -301,11 +301,16 @@ def serve_and_score(model: str, fmt: str, samples: list[Sample], args) -> dict:
 
     from vllm_temporalkv.formats import FORMATS
 
-    extra = []
-    if args.artifact and fmt in FORMATS:
-        extra = ["--additional-config", json.dumps({"temporalkv_artifact": str(args.artifact)})]
+    # "<format>-o1": the plugin's format with 1% exact outliers (the artifact holds the thresholds)
+    dtype, outliers = (fmt[:-3], True) if fmt.endswith("-o1") and fmt[:-3] in FORMATS else (fmt, False)
+    options = {}
+    if args.artifact and dtype in FORMATS:
+        options["temporalkv_artifact"] = str(args.artifact)
+    if outliers:
+        options["temporalkv_outliers"] = True
+    extra = ["--additional-config", json.dumps(options)] if options else []
     max_len = max(s.length for s in samples)
-    s = VLLMServer(model, "--kv-cache-dtype", fmt, "--served-model-name", "model", "--dtype", "bfloat16",
+    s = VLLMServer(model, "--kv-cache-dtype", dtype, "--served-model-name", "model", "--dtype", "bfloat16",
                    "--max-model-len", str(max_len), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                    "--max-num-seqs", str(args.concurrency), *(["--enforce-eager"] if args.enforce_eager else []),
                    *extra, *args.server_args, kv_space_gib=args.kv_space_gib, timeout=args.server_timeout)
@@ -400,7 +405,7 @@ def main(argv=None):
                    "artifact must be in <model>/temporalkv/calibration.safetensors or given with --artifact)")
     p.add_argument("--name", default="smollm2", help="model tag in the headline keys")
     p.add_argument("--formats", nargs="+", default=None, help="--kv-cache-dtype values (default: auto, fp8 and "
-                   "every format the plugin serves)")
+                   "every format the plugin serves); <format>-o1 serves a plugin format with 1%% exact outliers")
     p.add_argument("--artifact", default=None, help="calibration artifact for the plugin's formats")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     p.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS))

@@ -76,14 +76,14 @@ def test_runner_end_to_end(tmp_path, smollm2_dir, tiny_artifact, builder):
 
     before = HEADLINE.read_bytes() if HEADLINE.is_file() else None
     out = tmp_path / "out"
-    retrieval.main(["--formats", "auto", "temporalkv-2bit", "kvquant-9bit", "--artifact", str(tiny_artifact),
+    retrieval.main(["--formats", "auto", "temporalkv-2bit", "temporalkv-2bit-o1", "kvquant-9bit", "--artifact", str(tiny_artifact),
                     "--tasks", "niah_single", "vt", "--lengths", "1024", "--samples", "2", "--enforce-eager",
                     "--concurrency", "2", "--out", str(out)])
     rep = json.loads((out / "retrieval.json").read_text())
-    assert set(rep["formats"]) == {"auto", "temporalkv-2bit", "kvquant-9bit"}
+    assert set(rep["formats"]) == {"auto", "temporalkv-2bit", "temporalkv-2bit-o1", "kvquant-9bit"}
     assert "error" in rep["formats"]["kvquant-9bit"]  # refused by the server: reported, not fatal
     built = {(s.task, s.index): s for s in SuiteBuilder(builder.tok, seed=0).build(["niah_single", "vt"], [1024], 2)}
-    for fmt in ("auto", "temporalkv-2bit"):
+    for fmt in ("auto", "temporalkv-2bit", "temporalkv-2bit-o1"):
         r = rep["formats"][fmt]
         assert 0.0 <= r["avg_accuracy"] <= 1.0 and r["kv_tokens"] > 0
         assert len(r["records"]) == 4 and all(x["output"].strip() for x in r["records"])
@@ -91,6 +91,8 @@ def test_runner_end_to_end(tmp_path, smollm2_dir, tiny_artifact, builder):
             s = built[(x["task"], x["index"])]
             assert x["prompt_tokens"] == s.prompt_tokens and x["answers"] == s.answers
     assert rep["formats"]["temporalkv-2bit"]["kv_tokens"] > 5 * rep["formats"]["auto"]["kv_tokens"]
+    # outliers were really on: their bytes shrink the capacity
+    assert rep["formats"]["temporalkv-2bit-o1"]["kv_tokens"] < rep["formats"]["temporalkv-2bit"]["kv_tokens"]
     assert (out / "retrieval.md").is_file() and (out / "retrieval.png").is_file()
     # --resume keeps what was scored (the same records, no server started for them)
     retrieval.main(["--formats", "auto", "temporalkv-2bit", "--artifact", str(tiny_artifact), "--tasks",
