@@ -23,6 +23,7 @@ with the same settings skips it.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import statistics
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from vllm_temporalkv.artifact import Artifact, model_fingerprint
 
@@ -97,6 +99,25 @@ def paired(a: list[float], b: list[float]) -> dict:
             "a_better": sum(x > 0 for x in d), "n": len(d)}
 
 
+def collected(model, windows: torch.Tensor, fp: dict, cache: str | None, collect):
+    """K/V + gradients on windows; kept in ``cache`` (a folder) when given, keyed by text and model."""
+    key = hashlib.sha256(windows.numpy().tobytes() + json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache) / f"collected-{key}.safetensors" if cache else None
+    if path is not None and path.is_file():
+        flat = load_file(str(path))
+        L = len({k.split(".")[1] for k in flat})
+        return ([{kv: flat[f"a.{i}.{kv}"] for kv in "kv"} for i in range(L)],
+                [{kv: flat[f"g.{i}.{kv}"] for kv in "kv"} for i in range(L)])
+    t0 = time.time()
+    acts, grads = collect(model, windows, progress=True)
+    print(f"collected {windows.shape[0]} windows in {time.time() - t0:.0f} s")
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        flat = {f"{t}.{i}.{kv}": d[i][kv] for t, d in (("a", acts), ("g", grads)) for i in range(len(acts)) for kv in "kv"}
+        save_file(flat, str(path))
+    return acts, grads
+
+
 def run(args) -> dict:
     from calibrate.collect import collect_kv_grads
     from vllm_temporalkv.corpora import load_corpus, token_windows
@@ -125,27 +146,31 @@ def run(args) -> dict:
         "heldout": token_windows(tok, load_corpus(args.heldout_data), first["seq_len"], args.heldout_windows),
     }
     settings = dict(calibration={k: first[k] for k in ("data", "num_samples", "seq_len", "iters")},
-                    heldout=dict(data=args.heldout_data, windows=args.heldout_windows),
-                    artifacts={n: dict(fisher=c["fisher"], seed=c["seed"]) for n, c in cals.items()},
-                    nll_splits=args.nll_splits)
+                    heldout=dict(data=args.heldout_data, windows=args.heldout_windows))
+    infos = {n: dict(fisher=c["fisher"], seed=c["seed"], created=c.get("created"), path=str(arts[n].path))
+             for n, c in cals.items()}
     out_json = Path(args.out) / "fisher.json"
     res: dict = {}
     if out_json.is_file():
         prev = json.loads(out_json.read_text())
         if prev.get("settings") == settings:
             res = prev.get("results", {})
+            # keep what was measured for an artifact only while its name still means the same file
+            keep = {n for n, i in prev.get("artifacts", {}).items() if infos.get(n) == i}
+            for r in res.values():
+                for part in ("objective", "nll"):
+                    for key in [k for k in r.get(part, {}) if k != "bf16" and k.split("/")[0] not in keep]:
+                        del r[part][key]
 
     def save():
-        write_json(out_json, {"settings": settings, "results": res, "run": run_record()})
+        write_json(out_json, {"settings": settings, "artifacts": infos, "results": res, "run": run_record()})
 
     for split, windows in splits.items():
         r = res.setdefault(split, {})
         need = [(n, f) for n in arts for f in formats if f"{n}/{f}" not in r.get("objective", {})]
         need_w = [f for f in formats if f not in r.get("weights", {})]
         if need or need_w:
-            t0 = time.time()
-            acts, grads = collect_kv_grads(model, windows, progress=True)
-            print(f"{split}: collected {windows.shape[0]} windows in {time.time() - t0:.0f} s")
+            acts, grads = collected(model, windows, fp, args.cache, collect_kv_grads)
             for n, f in need:
                 r.setdefault("objective", {})[f"{n}/{f}"] = fisher_objective(arts[n], f, acts, grads)
                 o = r["objective"][f"{n}/{f}"]
@@ -165,9 +190,9 @@ def run(args) -> dict:
             nll[key] = window_nlls(model, windows, arts.get(n), f)
             print(f"{split:12} {key:32} ppl {math.exp(statistics.fmean(nll[key])):.3f} ({time.time() - t0:.0f} s)")
             save()
-    report = {"settings": settings, "results": res, "run": run_record()}
+    report = {"settings": settings, "artifacts": infos, "results": res, "run": run_record()}
     write_json(out_json, report)
-    write_markdown(report, list(arts), formats, Path(args.out) / "fisher.md")
+    write_markdown(report, list(infos), formats, Path(args.out) / "fisher.md")
     return report
 
 
@@ -181,7 +206,7 @@ def write_markdown(report: dict, names: list[str], formats: list[str], path: Pat
         f"Machine: {report['run']['machine']['cpu']}, {report['run']['time']}  ",
         f"Calibration: {c['data']} {c['num_samples']} x {c['seq_len']} tokens (in-sample); held out: "
         f"{s['heldout']['data']} {s['heldout']['windows']} x {c['seq_len']} tokens. Artifacts: "
-        + ", ".join(f"{n} (Fisher={a['fisher']}, seed {a['seed']})" for n, a in s["artifacts"].items()),
+        + ", ".join(f"{n} (Fisher={a['fisher']}, seed {a['seed']})" for n, a in report["artifacts"].items()),
         "",
         "## The k-means objective: diagonal-Fisher estimate of the NLL increase (nats/token) and plain MSE",
         "",
@@ -233,6 +258,7 @@ def main(argv=None):
     p.add_argument("--heldout-windows", type=int, default=8)
     p.add_argument("--nll-splits", nargs="*", default=["heldout"], choices=("calibration", "heldout"),
                    help="where to measure per-window NLL (each split costs ~25 s per window and configuration on 2 CPU cores)")
+    p.add_argument("--cache", default=None, help="a folder to keep the collected K/V + gradients in between runs")
     p.add_argument("--out", default=str(RESULTS))
     return run(p.parse_args(argv))
 

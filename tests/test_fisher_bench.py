@@ -50,11 +50,12 @@ def test_paired():
 
 def test_runner_end_to_end_and_resume(tiny_artifact, unweighted_artifact, tmp_path, monkeypatch, capsys):
     argv = ["--artifact", f"fisher={tiny_artifact}", "--artifact", f"plain={unweighted_artifact}",
-            "--formats", "temporalkv-2bit", "--heldout-windows", "1", "--out", str(tmp_path)]
+            "--formats", "temporalkv-2bit", "--heldout-windows", "1", "--out", str(tmp_path),
+            "--cache", str(tmp_path / "cache")]
     rep = fb.main(argv)
     assert json.loads((tmp_path / "fisher.json").read_text())["results"] == rep["results"]
     res = rep["results"]
-    assert rep["settings"]["artifacts"] == {"fisher": {"fisher": True, "seed": 0}, "plain": {"fisher": False, "seed": 0}}
+    assert {n: (a["fisher"], a["seed"]) for n, a in rep["artifacts"].items()} == {"fisher": (True, 0), "plain": (False, 0)}
     for split in ("calibration", "heldout"):
         assert set(res[split]["objective"]) == {"fisher/temporalkv-2bit", "plain/temporalkv-2bit"}
     nll = res["heldout"]["nll"]
@@ -62,6 +63,7 @@ def test_runner_end_to_end_and_resume(tiny_artifact, unweighted_artifact, tmp_pa
     assert all(len(v) == 1 for v in nll.values())
     assert nll["fisher/temporalkv-2bit"][0] > nll["bf16"][0]
     assert "nll" not in res["calibration"]  # only where asked
+    assert len(list((tmp_path / "cache").glob("collected-*.safetensors"))) == 2  # one per split
     md = (tmp_path / "fisher.md").read_text()
     assert "| temporalkv-2bit | fisher | plain |" in md and "effective sample size" in md
 
@@ -72,6 +74,14 @@ def test_runner_end_to_end_and_resume(tiny_artifact, unweighted_artifact, tmp_pa
     monkeypatch.setattr(fb, "window_nlls", boom)
     monkeypatch.setattr("calibrate.collect.collect_kv_grads", boom)
     fb.main(argv)
+    # a new artifact reuses the cached K/V + gradients: only its own objective is computed
+    monkeypatch.setattr(fb, "window_nlls", lambda *a: [0.0])
+    rep2 = fb.main(argv + ["--artifact", f"fisher2={tiny_artifact}"])
+    assert rep2["results"]["heldout"]["nll"]["fisher/temporalkv-2bit"] == nll["fisher/temporalkv-2bit"]  # kept
+    assert rep2["results"]["heldout"]["nll"]["fisher2/temporalkv-2bit"] == [0.0]
+    for split in ("calibration", "heldout"):
+        o = rep2["results"][split]["objective"]
+        assert o["fisher2/temporalkv-2bit"]["fisher_proxy"] == pytest.approx(o["fisher/temporalkv-2bit"]["fisher_proxy"])
 
 
 def test_artifacts_from_different_calibrations_are_refused(tiny_artifact, tmp_path):
