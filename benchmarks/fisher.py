@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from vllm_temporalkv.artifact import Artifact, model_fingerprint
 
-from .common import RESULTS, run_record, write_json
+from .common import RESULTS, merge_headline, run_record, write_json
 
 FORMATS = ("temporalkv-2bit", "temporalkv-1bit")
 
@@ -149,7 +149,8 @@ def run(args) -> dict:
                     heldout=dict(data=args.heldout_data, windows=args.heldout_windows))
     infos = {n: dict(fisher=c["fisher"], seed=c["seed"], created=c.get("created"), path=str(arts[n].path))
              for n, c in cals.items()}
-    out_json = Path(args.out) / "fisher.json"
+    stem = f"fisher-{args.tag}" if args.tag else "fisher"
+    out_json = Path(args.out) / f"{stem}.json"
     res: dict = {}
     if out_json.is_file():
         prev = json.loads(out_json.read_text())
@@ -192,8 +193,28 @@ def run(args) -> dict:
             save()
     report = {"settings": settings, "artifacts": infos, "results": res, "run": run_record()}
     write_json(out_json, report)
-    write_markdown(report, list(infos), formats, Path(args.out) / "fisher.md")
+    if not args.no_headline:
+        merge_headline(headline(report, formats))
+    write_markdown(report, list(infos), formats, Path(args.out) / f"{stem}.md")
     return report
+
+
+def headline(report: dict, formats: list[str]) -> dict[str, float]:
+    """``fisher.<calibration text>-<windows>w.<format>@<artifact>.<metric>`` for the README table."""
+    c, res = report["settings"]["calibration"], report["results"]
+    data = f"{c['data']}-{c['num_samples']}w"
+    out = {}
+    for f in formats:
+        for n in report["artifacts"]:
+            key = f"fisher.{data}.{f}@{n}"
+            for split, metric in (("calibration", "proxy_in_sample"), ("heldout", "proxy_held_out")):
+                o = res.get(split, {}).get("objective", {}).get(f"{n}/{f}")
+                if o:
+                    out[f"{key}.{metric}"] = o["fisher_proxy"]
+            nll = res.get("heldout", {}).get("nll", {}).get(f"{n}/{f}")
+            if nll:
+                out[f"{key}.ppl_held_out"] = math.exp(statistics.fmean(nll))
+    return out
 
 
 def write_markdown(report: dict, names: list[str], formats: list[str], path: Path) -> None:
@@ -259,6 +280,8 @@ def main(argv=None):
     p.add_argument("--nll-splits", nargs="*", default=["heldout"], choices=("calibration", "heldout"),
                    help="where to measure per-window NLL (each split costs ~25 s per window and configuration on 2 CPU cores)")
     p.add_argument("--cache", default=None, help="a folder to keep the collected K/V + gradients in between runs")
+    p.add_argument("--no-headline", action="store_true", help="do not merge into headline.json")
+    p.add_argument("--tag", default=None, help="write fisher-TAG.{json,md} instead of fisher.{json,md}")
     p.add_argument("--out", default=str(RESULTS))
     return run(p.parse_args(argv))
 

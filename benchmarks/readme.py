@@ -87,6 +87,25 @@ def retrieval_table(h: dict) -> list[str]:
     return out
 
 
+def fisher_table(h: dict) -> list[str]:
+    rows: dict[tuple[str, str, str], dict[str, float]] = {}
+    for k, v in h.items():
+        m = re.fullmatch(r"fisher\.([^.]+)\.([^@]+)@([^.]+)\.(proxy_in_sample|proxy_held_out|ppl_held_out)", k)
+        if m:
+            rows.setdefault(m.groups()[:3], {})[m.group(4)] = v
+    if not rows:
+        return []
+    out = ["**Fisher-weighted vs plain k-means** (the objective k-means minimizes, 1/2 Σ g² (x - x̂)² in nats per "
+           "token, on the calibration text and on held-out Brown text, and the held-out perplexity; details in "
+           "[benchmarks/results/fisher.md](benchmarks/results/fisher.md))", "",
+           "| calibration | format | k-means | objective, in-sample | objective, held out | ppl, held out |",
+           "|---|---|---|---|---|---|"]
+    for (data, f, n), r in sorted(rows.items(), key=lambda x: (x[0][1], int(re.sub(r"\D", "", x[0][0]) or 0), x[0][2])):
+        out.append(f"| {data} | {f} | {n} | {_fmt(r.get('proxy_in_sample'), 3)} | "
+                   f"{_fmt(r.get('proxy_held_out'), 3)} | {_fmt(r.get('ppl_held_out'))} |")
+    return out + [""]
+
+
 def generic_table(h: dict, bench: str, title: str) -> list[str]:
     items = {k: v for k, v in h.items() if k.startswith(bench + ".")}
     if not items:
@@ -99,6 +118,7 @@ def generic_table(h: dict, bench: str, title: str) -> list[str]:
 def render(h: dict) -> str:
     lines = quality_table(h)
     lines += capacity_table(h)
+    lines += fisher_table(h)
     lines += retrieval_table(h)
     lines += generic_table(h, "kernels", "Kernels")
     lines += generic_table(h, "throughput", "Throughput")

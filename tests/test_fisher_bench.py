@@ -50,7 +50,7 @@ def test_paired():
 
 def test_runner_end_to_end_and_resume(tiny_artifact, unweighted_artifact, tmp_path, monkeypatch, capsys):
     argv = ["--artifact", f"fisher={tiny_artifact}", "--artifact", f"plain={unweighted_artifact}",
-            "--formats", "temporalkv-2bit", "--heldout-windows", "1", "--out", str(tmp_path),
+            "--formats", "temporalkv-2bit", "--heldout-windows", "1", "--out", str(tmp_path), "--no-headline",
             "--cache", str(tmp_path / "cache")]
     rep = fb.main(argv)
     assert json.loads((tmp_path / "fisher.json").read_text())["results"] == rep["results"]
@@ -63,6 +63,9 @@ def test_runner_end_to_end_and_resume(tiny_artifact, unweighted_artifact, tmp_pa
     assert all(len(v) == 1 for v in nll.values())
     assert nll["fisher/temporalkv-2bit"][0] > nll["bf16"][0]
     assert "nll" not in res["calibration"]  # only where asked
+    h = fb.headline(rep, ["temporalkv-2bit"])
+    assert h["fisher.wiki-leads-2w.temporalkv-2bit@plain.proxy_held_out"] == res["heldout"]["objective"]["plain/temporalkv-2bit"]["fisher_proxy"]
+    assert h["fisher.wiki-leads-2w.temporalkv-2bit@fisher.ppl_held_out"] == pytest.approx(math.exp(nll["fisher/temporalkv-2bit"][0]))
     assert len(list((tmp_path / "cache").glob("collected-*.safetensors"))) == 2  # one per split
     md = (tmp_path / "fisher.md").read_text()
     assert "| temporalkv-2bit | fisher | plain |" in md and "effective sample size" in md

@@ -8,7 +8,10 @@ def test_render_places_every_kind_of_figure():
          "capacity.smollm2-cpu.temporalkv-2bit.ratio_vs_auto": 7.1, "capacity.smollm2-cpu.fp8.ratio_vs_auto": 2.0,
          "retrieval.smollm2.auto.avg_accuracy": 0.8, "retrieval.smollm2.auto.avg_accuracy_4k_8k": 0.5,
          "retrieval.smollm2.temporalkv-2bit.avg_accuracy": 0.7, "retrieval.smollm2.temporalkv-2bit.avg_accuracy_4k_8k": 0.4,
-         "throughput.h100-l8b.8192-512.auto.output_tok_s": 1234.5}
+         "throughput.h100-l8b.8192-512.auto.output_tok_s": 1234.5,
+         "fisher.wiki-leads-8w.temporalkv-2bit@fisher.proxy_in_sample": 0.0957,
+         "fisher.wiki-leads-8w.temporalkv-2bit@fisher.proxy_held_out": 0.3232,
+         "fisher.wiki-leads-8w.temporalkv-2bit@fisher.ppl_held_out": 40.42}
     text = render(h)
     assert "| 16 (bf16) | 32.00 |" in text and "40.50" in text
     assert "7.10" in text and "fp8 2.00×" in text
@@ -16,4 +19,5 @@ def test_render_places_every_kind_of_figure():
     auto = next(i for i, ln in enumerate(lines) if ln.startswith("| auto |"))
     assert lines[auto] == "| auto | 0.800 | 0.500 | 1.00 |"
     assert lines[auto + 1] == "| temporalkv-2bit | 0.700 | 0.400 | 0.80 |"
+    assert "| wiki-leads-8w | temporalkv-2bit | fisher | 0.096 | 0.323 | 40.42 |" in lines
     assert "throughput.h100-l8b.8192-512.auto.output_tok_s" in text and "1234.500" in text
