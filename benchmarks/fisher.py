@@ -196,6 +196,7 @@ def run(args) -> dict:
     if not args.no_headline:
         merge_headline(headline(report, formats))
     write_markdown(report, list(infos), formats, Path(args.out) / f"{stem}.md")
+    plot(report, list(infos), formats, Path(args.out) / f"{stem}.png")
     return report
 
 
@@ -267,6 +268,36 @@ def write_markdown(report: dict, names: list[str], formats: list[str], path: Pat
             lines.append(f"| {f} | {d['k']['median_ess_fraction']:.1%} | {d['k']['median_top1pct_share']:.1%} | "
                          f"{d['v']['median_ess_fraction']:.1%} | {d['v']['median_top1pct_share']:.1%} |")
     path.write_text("\n".join(lines) + "\n")
+
+
+def plot(report: dict, names: list[str], formats: list[str], path: Path) -> None:
+    """Per layer, K + V: the Fisher-weighted objective in-sample and held out, one line per artifact."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = report["results"]
+    fig, axes = plt.subplots(len(formats), 2, figsize=(11, 3.6 * len(formats)), squeeze=False, sharex=True, sharey="row")
+    for row, f in zip(axes, formats):
+        for ax, split, title in ((row[0], "calibration", "in-sample"), (row[1], "heldout", "held out")):
+            for n in names:
+                o = res.get(split, {}).get("objective", {}).get(f"{n}/{f}")
+                if o:
+                    y = [a + b for a, b in zip(o["per_layer"]["k"], o["per_layer"]["v"])]
+                    ax.plot(range(len(y)), y, "o-" if "unweighted" not in n else "s--", ms=3,
+                            label=f"{n} (total {o['fisher_proxy']:.3f})")
+            ax.set_yscale("log")
+            ax.set_title(f"{f}, {title}")
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=8)
+        row[0].set_ylabel("1/2 sum g^2 (x - x^)^2, nats/token")
+    for ax in axes[-1]:
+        ax.set_xlabel("layer")
+    fig.suptitle("Fisher-weighted objective per layer (K + V): calibration text vs held-out text")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None):

@@ -87,6 +87,13 @@ def retrieval_table(h: dict) -> list[str]:
     return out
 
 
+def _fisher_order(row) -> tuple:
+    (data, fmt, name), _ = row
+    bits = re.search(r"(\d+)bit", fmt)
+    windows = re.search(r"(\d+)w$", data)
+    return (-int(bits.group(1)) if bits else 0, fmt, int(windows.group(1)) if windows else 0, data, name)
+
+
 def fisher_table(h: dict) -> list[str]:
     rows: dict[tuple[str, str, str], dict[str, float]] = {}
     for k, v in h.items():
@@ -100,7 +107,7 @@ def fisher_table(h: dict) -> list[str]:
            "[benchmarks/results/fisher.md](benchmarks/results/fisher.md))", "",
            "| calibration | format | k-means | objective, in-sample | objective, held out | ppl, held out |",
            "|---|---|---|---|---|---|"]
-    for (data, f, n), r in sorted(rows.items(), key=lambda x: (x[0][1], int(re.sub(r"\D", "", x[0][0]) or 0), x[0][2])):
+    for (data, f, n), r in sorted(rows.items(), key=_fisher_order):
         out.append(f"| {data} | {f} | {n} | {_fmt(r.get('proxy_in_sample'), 3)} | "
                    f"{_fmt(r.get('proxy_held_out'), 3)} | {_fmt(r.get('ppl_held_out'))} |")
     return out + [""]

@@ -69,6 +69,7 @@ def test_runner_end_to_end_and_resume(tiny_artifact, unweighted_artifact, tmp_pa
     assert len(list((tmp_path / "cache").glob("collected-*.safetensors"))) == 2  # one per split
     md = (tmp_path / "fisher.md").read_text()
     assert "| temporalkv-2bit | fisher | plain |" in md and "effective sample size" in md
+    assert (tmp_path / "fisher.png").stat().st_size > 10_000
 
     # a rerun with the same settings measures nothing again
     def boom(*a, **k):
