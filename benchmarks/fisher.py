@@ -16,8 +16,9 @@ harness's), for every artifact and format it measures:
 3. how concentrated the Fisher weights are: per codebook, the effective sample size
    (sum w)^2 / (N sum w^2) of the per-vector weights and the share of weight held by the top 1%.
 
-Writes benchmarks/results/fisher.{json,md}; each finished measurement is saved at once and a rerun
-with the same settings skips it.
+Writes benchmarks/results/fisher[-TAG].{json,md,png} and headline figures; each finished measurement
+is saved at once and a rerun with the same settings skips it (``--cache DIR`` also keeps the collected
+K/V + gradients, ~1.5 GB per 8 windows of 2048 tokens for SmolLM2).
 """
 
 from __future__ import annotations
