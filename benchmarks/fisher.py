@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from vllm_temporalkv.artifact import Artifact, model_fingerprint
 
@@ -104,23 +103,21 @@ def collected(model, windows: torch.Tensor, fp: dict, cache: str | None, collect
     """K/V + gradients on windows; kept in ``cache`` (a folder) when given, keyed by text and model."""
     key = hashlib.sha256(windows.numpy().tobytes() + json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache) / f"collected-{key}.safetensors" if cache else None
+    from vllm_temporalkv.calibration.collect import load_collected, save_collected
+
     if path is not None and path.is_file():
-        flat = load_file(str(path))
-        L = len({k.split(".")[1] for k in flat})
-        return ([{kv: flat[f"a.{i}.{kv}"] for kv in "kv"} for i in range(L)],
-                [{kv: flat[f"g.{i}.{kv}"] for kv in "kv"} for i in range(L)])
+        return load_collected(path)
     t0 = time.time()
     acts, grads = collect(model, windows, progress=True)
     print(f"collected {windows.shape[0]} windows in {time.time() - t0:.0f} s")
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        flat = {f"{t}.{i}.{kv}": d[i][kv] for t, d in (("a", acts), ("g", grads)) for i in range(len(acts)) for kv in "kv"}
-        save_file(flat, str(path))
+        save_collected(path, acts, grads)
     return acts, grads
 
 
 def run(args) -> dict:
-    from calibrate.collect import collect_kv_grads
+    from vllm_temporalkv.calibration.collect import collect_kv_grads
     from vllm_temporalkv.corpora import load_corpus, token_windows
     from vllm_temporalkv.models import load_hf_model, load_tokenizer, resolve_model
 

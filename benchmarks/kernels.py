@@ -3,6 +3,7 @@
     python -m benchmarks.kernels                         # H100: both shapes, the full grid
     python -m benchmarks.kernels --shape llama8b --batch 8 --context 32768 --formats temporalkv-2bit
     python -m benchmarks.kernels --smoke --out /tmp/k    # no GPU: interpreter check of the plumbing
+    python -m benchmarks.kernels --device cpu ...        # the C++ CPU kernels: benchmarks/kernels_cpu.py
 
 Decode (one query token per request, one layer): for each shape (``llama8b``: 32 query / 8 KV
 heads, head_dim 128; ``smollm2``: 9 / 3, head_dim 64), batch B, context L and format, the time of
@@ -68,9 +69,9 @@ def _load_kernels() -> None:
     import triton as _triton
     import triton.language as _tl
 
-    from vllm_temporalkv.kernels import reference as _ref
-    from vllm_temporalkv.kernels import triton_decode as _dec
-    from vllm_temporalkv.kernels import triton_encode as _enc
+    from vllm_temporalkv.ops import paged_torch as _ref
+    from vllm_temporalkv.ops import triton_decode as _dec
+    from vllm_temporalkv.ops import triton_encode as _enc
 
     triton, tl, triton_decode, triton_encode, reference = _triton, _tl, _dec, _enc, _ref
     # jit applied here, not as a decorator, so that it honours TRITON_INTERPRET set by main()
@@ -224,7 +225,9 @@ def make_layer_cache(shape: str, fmt_name: str, dtype, block_size: int, hybrid_k
     cfg = types.SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": sh["theta"]},
                                 num_attention_heads=sh["hq"], head_dim=D, hidden_size=sh["hq"] * D)
     lay = PageLayout(fmt, D, block_size, outliers)
-    return reference.LayerCache(fmt, lay, kq, vq, Rope(cfg, device), dtype)
+    from vllm_temporalkv.ops.paged_torch import LayerCache
+
+    return LayerCache(fmt, lay, kq, vq, Rope(cfg, device), dtype)
 
 
 def fill_pages(lc, B: int, L: int, H: int, D: int, device):
@@ -741,6 +744,14 @@ def main(argv=None):
     p.add_argument("--no-headline", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny configurations through the same code; no GPU needed")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results; smoke: a temp dir)")
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--device" in argv:  # the CPU kernels have their own benchmark (wall clock, vLLM's CPU op)
+        i = argv.index("--device")
+        if argv[i + 1 : i + 2] == ["cpu"]:
+            from . import kernels_cpu
+
+            return kernels_cpu.main(argv[:i] + argv[i + 2 :])
     a = p.parse_args(argv)
 
     cuda = torch.cuda.is_available()

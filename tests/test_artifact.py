@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from calibrate import codebook_keys
+from vllm_temporalkv.calibration import codebook_keys
 from vllm_temporalkv.artifact import SCHEMA_VERSION, Artifact, ArtifactError, model_fingerprint
 from vllm_temporalkv.codecs import make_codec
 from vllm_temporalkv.codecs.quantizer import ChannelStats
@@ -63,7 +63,7 @@ def test_round_trip(saved):
 
 
 def test_missing(tmp_path):
-    with pytest.raises(ArtifactError, match=r"not found: .*nope.safetensors.*python -m calibrate"):
+    with pytest.raises(ArtifactError, match=r"not found: .*nope.safetensors.*temporalkv-calibrate"):
         Artifact.load(tmp_path / "nope.safetensors")
 
 
@@ -72,7 +72,7 @@ def test_truncated(saved, cut):
     _, path = saved
     data = path.read_bytes()
     path.write_bytes(data[:cut])
-    with pytest.raises(ArtifactError, match=r"unreadable \(truncated or corrupt.*python -m calibrate"):
+    with pytest.raises(ArtifactError, match=r"unreadable \(truncated or corrupt.*temporalkv-calibrate"):
         Artifact.load(path)
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-import calibrate
+from vllm_temporalkv.calibration import run as calibrate
 from tests.conftest import TINY_FORMATS
 from vllm_temporalkv.artifact import Artifact, model_fingerprint
 from vllm_temporalkv.formats import SINK_TOKENS
@@ -55,7 +55,7 @@ def test_interrupted_calibration_resumes_to_the_same_artifact(tiny_artifact, smo
 
 
 def test_cli_rejects_bad_format(capsys):
-    from calibrate.__main__ import main
+    from vllm_temporalkv.calibration.cli import main
 
     assert main(["--formats", "temporalkv-3bit"]) == 2
     assert "unknown KV format 'temporalkv-3bit'" in capsys.readouterr().err

@@ -8,7 +8,8 @@ from vllm_temporalkv.codecs.base import exact_sq_dist, nearest, nearest_torch
 from vllm_temporalkv.codecs.outliers import merge_outliers, split_outliers
 from vllm_temporalkv.codecs.quantizer import ChannelStats, KVQuantizer
 from vllm_temporalkv.formats import BLOCK_TOKENS, FORMATS, SINK_TOKENS, get_format, outlier_cap
-from vllm_temporalkv.kernels import cpu
+from vllm_temporalkv.calibration import numba_search as cpu
+from vllm_temporalkv.calibration.fit import fit_codebooks
 
 ALL = [(f.method, f.chunk, f.n_centroids) for f in FORMATS.values()]
 
@@ -49,7 +50,7 @@ def test_channel_vector_is_adjacent_channels_of_one_token():
 @pytest.mark.parametrize("method,chunk,k", ALL)
 def test_code_is_true_argmin_and_decode_is_lookup(method, chunk, k):
     x = data()
-    c = make_codec(method, chunk, k).fit(x, torch.rand_like(x), iters=5)
+    c = fit_codebooks(make_codec(method, chunk, k), x, torch.rand_like(x), iters=5)
     codes = c.encode(x)
     assert codes.dtype == torch.uint8
     vecs = c.to_vectors(x)
@@ -76,7 +77,7 @@ def test_shapes_and_bits(fmt):
     c.centroids = torch.randn(c.codebook_shape(H, D))
     codes = c.encode(data(T, H, D))
     # bits actually needed by the codes = nominal bits per float
-    assert codes.numel() * f.code_bits() == f.bits * T * H * D
+    assert codes.numel() * f.code_layout.code_bits == f.bits_per_float * T * H * D
     assert int(codes.max()) < f.n_centroids
     # centroid storage matches ChannelKV's for the vector methods (thesis Table 13)
     if f.method != "scalar":
@@ -101,38 +102,6 @@ def test_cpu_kernel_bit_identical_to_torch_reference(v, K):
     X[:, :50] = C[:, :50] if K >= 50 else X[:, :50]  # points sitting on centroids
     X[:, 50:100] = torch.nextafter(X[:, 50:100], torch.tensor(1e9))  # 1-ulp neighbours
     assert torch.equal(cpu.nearest(X, C), nearest_torch(X, C))
-
-
-def test_fisher_weights_pull_centroids():
-    # two far-apart blobs, one weighted 1000x: with 1 centroid the weighted mean sits on it
-    from vllm_temporalkv.codecs.kmeans import FisherKMeans
-
-    X = torch.cat([torch.zeros(100, 2), torch.full((100, 2), 10.0)])[None]
-    w = torch.cat([torch.ones(100), torch.full((100,), 1000.0)])[None]
-    for fit in (lambda: cpu.kmeans(X, w, 1, 10, 0), lambda: FisherKMeans(1, 10).fit(X, w)):
-        c = fit()
-        assert torch.allclose(c[0, 0], torch.full((2,), 10 * 1000 / 1001), atol=1e-3)
-        c_unw = cpu.kmeans(X, None, 1, 10, 0)
-        assert torch.allclose(c_unw[0, 0], torch.full((2,), 5.0), atol=1e-4)
-
-
-def test_weighted_kmeans_lowers_weighted_error_and_backends_agree():
-    from vllm_temporalkv.codecs.kmeans import FisherKMeans
-
-    g = torch.Generator().manual_seed(1)
-    X = torch.randn(3, 4000, 2, generator=g)
-    w = torch.rand(3, 4000, generator=g) ** 4
-    werr = {}
-    for name, C in {
-        "numba": cpu.kmeans(X, w, 64, 30, 0),
-        "torch": FisherKMeans(64, 30, seed=0).fit(X, w),
-        "unweighted": cpu.kmeans(X, None, 64, 30, 0),
-    }.items():
-        a = nearest_torch(X, C)
-        err = ((X - torch.gather(C, 1, a[..., None].expand(-1, -1, 2))) ** 2).sum(-1)
-        werr[name] = float((w * err).sum() / w.sum())
-    assert werr["numba"] < werr["unweighted"] and werr["torch"] < werr["unweighted"]
-    assert abs(werr["numba"] - werr["torch"]) / werr["torch"] < 0.1
 
 
 def _stats(x):
@@ -161,7 +130,7 @@ def test_outliers_capped_exact_and_clamped():
 def test_quantizer_keeps_sinks_and_tail_exact(outliers):
     T, H, D = 8 + 3 * BLOCK_TOKENS + 5, 2, 16
     x = data(T, H, D).to(torch.bfloat16)
-    c = make_codec("temporal", 4, 256).fit(data(256, H, D), None, iters=3)
+    c = fit_codebooks(make_codec("temporal", 4, 256), data(256, H, D), None, iters=3)
     q = KVQuantizer(c, _stats(data(256, H, D).float()), outliers=outliers)
     y = q.fake_quant(x)
     assert y.dtype == x.dtype

@@ -6,8 +6,8 @@ import math
 import pytest
 
 import benchmarks.fisher as fb
-from calibrate import run_calibration
-from calibrate.collect import collect_kv_grads
+from vllm_temporalkv.calibration import run_calibration
+from vllm_temporalkv.calibration.collect import collect_kv_grads
 from tests.conftest import TINY_FORMATS
 from vllm_temporalkv.artifact import Artifact
 from vllm_temporalkv.corpora import load_corpus, token_windows
@@ -76,7 +76,7 @@ def test_runner_end_to_end_and_resume(tiny_artifact, unweighted_artifact, tmp_pa
         raise AssertionError("recomputed")
 
     monkeypatch.setattr(fb, "window_nlls", boom)
-    monkeypatch.setattr("calibrate.collect.collect_kv_grads", boom)
+    monkeypatch.setattr("vllm_temporalkv.calibration.collect.collect_kv_grads", boom)
     fb.main(argv)
     # a new artifact reuses the cached K/V + gradients: only its own objective is computed
     monkeypatch.setattr(fb, "window_nlls", lambda *a: [0.0])

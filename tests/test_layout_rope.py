@@ -15,13 +15,13 @@ def test_pack_roundtrip_and_page_bytes(name):
     rows = {"temporal": 16 // f.chunk, "channel": 16, "scalar": 16}[f.method]
     width = {"temporal": D, "channel": D // f.chunk, "scalar": D}[f.method]
     codes = torch.randint(0, f.n_centroids, (rows, H, width), dtype=torch.uint8)
-    packed = pack_block_codes(f, codes)
+    packed = pack_block_codes(f.code_layout, codes)
     lay = PageLayout(f, D, 128)
     assert packed.shape == (2, H, lay.code_bytes)
-    assert torch.equal(unpack_block_codes(f, packed, D), codes)
+    assert torch.equal(unpack_block_codes(f.code_layout, packed, D), codes)
     # bytes per page: codes at the nominal rate + a fixed 16-token half-precision region
-    assert lay.bytes == 16 * 2 * D * 2 + 2 * 128 * D * f.bits // 8
-    assert lay.ratio_vs_half() == pytest.approx(16 / (f.bits + 16 * 16 / 128), rel=1e-9)
+    assert lay.bytes == 16 * 2 * D * 2 + 2 * 128 * D * f.bits_per_float // 8
+    assert lay.ratio_vs_half() == pytest.approx(16 / (f.bits_per_float + 16 * 16 / 128), rel=1e-9)
 
 
 def test_views_do_not_overlap():

@@ -5,7 +5,7 @@ import torch
 
 from tests.test_artifact import CFG, synthetic_artifact
 from vllm_temporalkv.formats import BLOCK_TOKENS, SINK_TOKENS, get_format
-from vllm_temporalkv.kernels.reference import LayerCache, gather_kv, paged_attention, write_kv
+from vllm_temporalkv.ops.paged_torch import LayerCache, gather_kv, paged_attention, write_kv
 from vllm_temporalkv.layout import PageLayout
 from vllm_temporalkv.rope import Rope
 
@@ -120,7 +120,7 @@ def test_attention_does_not_depend_on_chunking(fmt):
 def test_attend_tiles_match_the_definition(offset, tq):
     """The tiled, band-limited attention equals its definition (own block exact, decoded elsewhere,
     causal), computed densely, for any query tile size."""
-    from vllm_temporalkv.kernels.reference import _attend
+    from vllm_temporalkv.ops.paged_torch import _attend
 
     g = torch.Generator().manual_seed(offset + tq)
     Hkv, grp, D = 2, 3, 16
@@ -142,7 +142,7 @@ def test_attend_tiles_match_the_definition(offset, tq):
 def test_sdpa_path_matches_the_exact_one(offset, tq):
     """The fast float32 path (flash attention over decoded keys, merged with the own-block band) agrees with the
     float64 definition, for any tile size."""
-    from vllm_temporalkv.kernels.reference import _attend, _attend_fast
+    from vllm_temporalkv.ops.paged_torch import _attend, _attend_fast
 
     g = torch.Generator().manual_seed(7 + offset + tq)
     Hkv, grp, D = 2, 3, 16

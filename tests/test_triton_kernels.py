@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from tests.test_artifact import synthetic_artifact  # noqa: E402
 from vllm_temporalkv.formats import get_format  # noqa: E402
-from vllm_temporalkv.kernels import reference, triton_decode, triton_encode  # noqa: E402
+from vllm_temporalkv.ops import paged_torch as reference, triton_decode, triton_encode  # noqa: E402
 from vllm_temporalkv.layout import PageLayout  # noqa: E402
 from vllm_temporalkv.rope import Rope  # noqa: E402
 

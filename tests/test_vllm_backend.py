@@ -19,7 +19,6 @@ pytest.importorskip("vllm")
 
 from vllm_temporalkv.artifact import Artifact  # noqa: E402
 from vllm_temporalkv.formats import BLOCK_TOKENS, SINK_TOKENS, get_format  # noqa: E402
-from vllm_temporalkv.kernels.reference import _codec_fmt  # noqa: E402
 from vllm_temporalkv.layout import TAIL_SLOT0, PageLayout, pack_block_codes  # noqa: E402
 from vllm_temporalkv.rope import Rope  # noqa: E402
 
@@ -70,7 +69,7 @@ def test_codes_in_vllm_pages_equal_the_reference_codec(recorded):
         pos = torch.arange(SINK_TOKENS, full)
         k_pre = rope.invert(t["k"][SINK_TOKENS:full], pos).to(torch.bfloat16)
         for kind, q, x in (("k", kq, k_pre), ("v", vq, t["v"][SINK_TOKENS:full])):
-            want = pack_block_codes(_codec_fmt(_lc(fmt, lay, kq, vq), q), q.encode(x).codes)
+            want = pack_block_codes(q.codec.layout, q.encode(x).codes)
             got = lay.codes_view(page[None], kind)[0, :, 1 : full // BLOCK_TOKENS].transpose(0, 1)
             assert torch.equal(got, want), f"layer {i} {kind}: {(got != want).sum()} code bytes differ"
             checked += want.numel()
@@ -82,7 +81,7 @@ def test_codes_in_vllm_pages_equal_the_reference_codec(recorded):
 
 
 def _lc(fmt, lay, kq, vq):
-    from vllm_temporalkv.kernels.reference import LayerCache
+    from vllm_temporalkv.ops.paged_torch import LayerCache
 
     return LayerCache(fmt, lay, kq, vq, None, torch.bfloat16)
 

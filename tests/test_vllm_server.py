@@ -188,6 +188,18 @@ def _bad_artifacts(tmp_path, tiny_artifact):
     }
 
 
+def test_cpp_kernels_are_what_serves(server_2bit, server_4bit):
+    """The C++ kernels (csrc/) are built by scripts/setup.sh and are what the servers ran: the
+    backend logs the path it picked, once per process (the fallback would say "torch (...)")."""
+    from vllm_temporalkv.ops import cpu
+
+    assert cpu.available(), f"the C++ CPU extension did not load: {cpu._LOAD_ERROR}"
+    for s in (server_2bit, server_4bit):
+        log = s.log()
+        assert "attention and cache update on the C++ (" in log, log[-3000:]
+        assert "attention and cache update on the torch" not in log
+
+
 def test_bad_artifact_refuses_to_start(smollm2_dir, tiny_artifact, tmp_path):
     for what, (path, phrase) in _bad_artifacts(tmp_path, tiny_artifact).items():
         s = VLLMServer(smollm2_dir, "--kv-cache-dtype", "temporalkv-2bit", "--max-model-len", str(MAX_LEN),
@@ -196,7 +208,7 @@ def test_bad_artifact_refuses_to_start(smollm2_dir, tiny_artifact, tmp_path):
         log = s.log()
         assert rc not in (None, 0), f"{what}: server did not refuse"
         assert str(path) in log and phrase in log, f"{what}: unclear refusal:\n{log[-3000:]}"
-        assert "python -m calibrate" in log, f"{what}: the refusal does not name the fix"
+        assert "temporalkv-calibrate" in log, f"{what}: the refusal does not name the fix"
 
 
 def test_unsupported_setup_refuses_to_start(smollm2_dir, tiny_artifact):

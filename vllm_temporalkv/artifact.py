@@ -24,7 +24,7 @@ import torch
 
 from .codecs import make_codec
 from .codecs.quantizer import ChannelStats, KVQuantizer
-from .formats import FORMATS, KVFormat, get_format, parse_codebook_key
+from .formats import KVFormat, get_format, parse_codebook_key
 
 KIND = "vllm-temporalkv/calibration"
 SCHEMA_VERSION = 1
@@ -39,7 +39,7 @@ class ArtifactError(ValueError):
 
 
 def calibrate_hint(model: str | None = None, output: str | Path | None = None) -> str:
-    cmd = "python -m calibrate"
+    cmd = "temporalkv-calibrate"
     if model:
         cmd += f" --model {model}"
     if output:
@@ -254,6 +254,32 @@ class Artifact:
             return fmt.channel_twin_key
         return fmt.codebook_key
 
+    def layer_quantizers(
+        self,
+        format_name: str,
+        layer: int,
+        *,
+        outliers: bool = False,
+        layer_methods: dict[str, list[str]] | None = None,
+        device: str | torch.device = "cpu",
+    ) -> tuple[KVQuantizer, KVQuantizer]:
+        """The (K, V) quantizers of one layer. ``layer_methods`` overrides the hybrid choice
+        (e.g. all "temporal" for the pure-temporal ablation)."""
+        fmt = get_format(format_name)
+        if format_name not in self.formats:
+            raise ArtifactError(f"calibration artifact {self.path} has no codebooks for {format_name}")
+        if not 0 <= layer < self.num_layers:
+            raise ArtifactError(f"calibration artifact {self.path} has {self.num_layers} layers; layer {layer} asked for")
+        pair = []
+        for kv in KV:
+            method = (layer_methods or self.layer_methods[format_name])[kv][layer]
+            key = fmt.channel_twin_key if method == "channel" and fmt.hybrid else fmt.codebook_key
+            if (layer, kv, key) not in self.codebooks:
+                raise ArtifactError(f"calibration artifact {self.path} lacks codebook {key} for layer {layer} {kv.upper()}")
+            codec = make_codec(method, fmt.chunk, fmt.n_centroids, self.codebooks[(layer, kv, key)].to(device))
+            pair.append(KVQuantizer(codec, self.stats[(layer, kv)].to(device), outliers))
+        return pair[0], pair[1]
+
     def quantizers(
         self,
         format_name: str,
@@ -262,24 +288,9 @@ class Artifact:
         layer_methods: dict[str, list[str]] | None = None,
         device: str | torch.device = "cpu",
     ) -> list[tuple[KVQuantizer, KVQuantizer]]:
-        """One (K, V) quantizer pair per layer. ``layer_methods`` overrides the hybrid choice
-        (e.g. all "temporal" for the pure-temporal ablation)."""
-        fmt = get_format(format_name)
-        if format_name not in self.formats:
-            raise ArtifactError(f"calibration artifact {self.path} has no codebooks for {format_name}")
-        out = []
-        for layer in range(self.num_layers):
-            pair = []
-            for kv in KV:
-                method = (layer_methods or self.layer_methods[format_name])[kv][layer]
-                chunk, k = fmt.chunk, fmt.n_centroids
-                key = fmt.channel_twin_key if method == "channel" and fmt.hybrid else fmt.codebook_key
-                if (layer, kv, key) not in self.codebooks:
-                    raise ArtifactError(f"calibration artifact {self.path} lacks codebook {key} for layer {layer} {kv.upper()}")
-                codec = make_codec(method, chunk, k, self.codebooks[(layer, kv, key)].to(device))
-                pair.append(KVQuantizer(codec, self.stats[(layer, kv)].to(device), outliers))
-            out.append(tuple(pair))
-        return out
+        """One (K, V) quantizer pair per layer (see ``layer_quantizers``)."""
+        return [self.layer_quantizers(format_name, layer, outliers=outliers, layer_methods=layer_methods,
+                                      device=device) for layer in range(self.num_layers)]
 
     def centroid_bytes(self, format_name: str) -> int:
         """fp16 bytes of the codebooks a server needs for this format (all layers, K and V)."""
@@ -293,7 +304,3 @@ class Artifact:
 
 def default_artifact_path(model_dir: str | Path) -> Path:
     return Path(model_dir) / ARTIFACT_RELPATH
-
-
-def all_format_names() -> list[str]:
-    return list(FORMATS)

@@ -35,14 +35,19 @@ METHODS = ("temporal", "channel", "scalar")
 class KVFormat:
     name: str
     method: str  # "temporal" | "channel" | "scalar"
-    bits: int  # nominal bits per float (index bits / floats per vector)
+    bits_per_float: int  # nominal: code bits / floats per vector (not the all-in cost: layout.bits_per_float)
     chunk: int  # floats per vector: tokens (temporal), channels (channel), 1 (scalar)
     n_centroids: int
+    # per layer and K/V, calibration may choose channel chunking (same l, same bits) where its
+    # Fisher-MSE is lower: the thesis's hybrid TemporalKV
+    hybrid: bool = False
 
     @property
-    def hybrid(self) -> bool:
-        """TemporalKV may use channel chunking on the layers where that has lower Fisher-MSE."""
-        return self.method == "temporal"
+    def code_layout(self):
+        """How this format's (non-hybrid) codes are laid out: ``layout.CodeLayout``."""
+        from .layout import code_layout
+
+        return code_layout(self.method, self.chunk, self.n_centroids)
 
     @property
     def codebook_key(self) -> str:
@@ -52,9 +57,6 @@ class KVFormat:
     def channel_twin_key(self) -> str:
         """Codebook used by the hybrid on layers where channel chunking wins (same l, same bits)."""
         return codebook_key("channel", self.chunk, self.n_centroids)
-
-    def code_bits(self) -> int:
-        return (self.n_centroids - 1).bit_length()
 
 
 def codebook_key(method: str, chunk: int, n_centroids: int) -> str:
@@ -72,7 +74,7 @@ def parse_codebook_key(key: str) -> tuple[str, int, int]:
 def _build() -> dict[str, KVFormat]:
     out = {}
     for bits, l in ((4, 2), (2, 4), (1, 8)):
-        out[f"temporalkv-{bits}bit"] = KVFormat(f"temporalkv-{bits}bit", "temporal", bits, l, 256)
+        out[f"temporalkv-{bits}bit"] = KVFormat(f"temporalkv-{bits}bit", "temporal", bits, l, 256, hybrid=True)
         out[f"channelkv-{bits}bit"] = KVFormat(f"channelkv-{bits}bit", "channel", bits, l, 256)
         out[f"kvquant-{bits}bit"] = KVFormat(f"kvquant-{bits}bit", "scalar", bits, 1, 2**bits)
     return out
@@ -100,7 +102,7 @@ def outlier_cap(head_dim: int) -> int:
 
 
 def check_head_dim(fmt: KVFormat, head_dim: int) -> None:
-    if fmt.method == "channel" or fmt.hybrid:
+    if fmt.method in ("channel", "temporal"):  # both group l channels (codebooks / vectors)
         if head_dim % fmt.chunk:
             raise FormatError(
                 f"{fmt.name} groups {fmt.chunk} channels per vector, which does not divide "

@@ -12,6 +12,8 @@ K or V) a sequence of n tokens stores
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .formats import BLOCK_TOKENS, SINK_TOKENS, KVFormat, outlier_cap
@@ -30,13 +32,78 @@ def bits_per_float(fmt: KVFormat, head_dim: int, context: int, outliers: bool = 
     tail = min((BLOCK_TOKENS - 1) / 2, max(0, context - n_sink))
     coded = max(0.0, context - n_sink - tail)
     parts = {
-        "codes": fmt.bits * coded / context,
+        "codes": fmt.bits_per_float * coded / context,
         "outliers": (outlier_bits_per_float(head_dim) * coded / context) if outliers else 0.0,
         "sinks": HALF_BITS * n_sink / context,
         "tail": HALF_BITS * tail / context,
     }
     parts["total"] = sum(parts.values())
     return parts
+
+
+# ---------------------------------------------------------------------------------------------
+# How a method cuts K or V into vectors and lays out their codes: ONE description per method,
+# read by the codecs (to_vectors / from_vectors), code packing, the torch path and the kernels.
+#
+# A vector covers ``vec_tokens`` consecutive tokens of ``vec_channels`` adjacent channels (one of
+# the two is 1); its floats are ordered along whichever axis has length > 1.  Codes of one block of
+# BLOCK_TOKENS tokens and one KV head form a [rows, cols] grid - code (r, c) covers tokens
+# r*vec_tokens.. and channels c*vec_channels.. - stored row-major, ``8 // code_bits`` codes per
+# byte (lowest column in the lowest bits).  Codebooks are per KV head and *group* of
+# ``group_channels`` adjacent channels: column c uses group c * vec_channels // group_channels.
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeLayout:
+    method: str
+    vec_tokens: int
+    vec_channels: int
+    group_channels: int
+    n_centroids: int
+
+    @property
+    def vec_dim(self) -> int:
+        """Floats per vector."""
+        return self.vec_tokens * self.vec_channels
+
+    @property
+    def code_bits(self) -> int:
+        return (self.n_centroids - 1).bit_length()
+
+    @property
+    def rows(self) -> int:
+        """Code rows per block of BLOCK_TOKENS tokens."""
+        return BLOCK_TOKENS // self.vec_tokens
+
+    def cols(self, head_dim: int) -> int:
+        return head_dim // self.vec_channels
+
+    def groups(self, head_dim: int) -> int:
+        """Codebooks per KV head."""
+        return head_dim // self.group_channels
+
+    def block_bytes(self, head_dim: int) -> int:
+        """Code bytes of one block of BLOCK_TOKENS tokens of one KV head."""
+        return self.rows * self.cols(head_dim) * self.code_bits // 8
+
+    def bits_per_float(self) -> float:
+        return self.code_bits / self.vec_dim
+
+
+# method -> (vec_tokens, vec_channels, group_channels) for chunk length l; see formats.py
+_GEOMETRY = {
+    "temporal": lambda l: (l, 1, l),  # l tokens of one channel; codebooks shared by l channels
+    "channel": lambda l: (1, l, l),  # l adjacent channels of one token
+    "scalar": lambda l: (1, 1, 1),  # one value; a codebook per channel
+}
+
+
+def code_layout(method: str, chunk: int, n_centroids: int) -> CodeLayout:
+    try:
+        geom = _GEOMETRY[method]
+    except KeyError:
+        raise ValueError(f"no code layout for method {method!r}; known: {', '.join(_GEOMETRY)}") from None
+    return CodeLayout(method, *geom(chunk), n_centroids)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,8 +126,9 @@ TAIL_SLOT0 = BLOCK_TOKENS
 
 
 def code_bytes_per_block(fmt: KVFormat, head_dim: int) -> int:
-    """Bytes of codes for one block of BLOCK_TOKENS tokens of one KV head, K or V."""
-    return BLOCK_TOKENS * head_dim * fmt.bits // 8
+    """Bytes of codes for one block of BLOCK_TOKENS tokens of one KV head, K or V (the same for a
+    hybrid layer's channel-chunked codes: equal bits per float)."""
+    return code_layout(fmt.method, fmt.chunk, fmt.n_centroids).block_bytes(head_dim)
 
 
 class PageLayout:
@@ -124,40 +192,26 @@ class PageLayout:
 # ---- code bytes <-> the codec's natural code tensors (one block of BLOCK_TOKENS tokens) ---------
 
 
-def pack_block_codes(fmt: KVFormat, codes: torch.Tensor) -> torch.Tensor:
-    """Natural codes of nb whole blocks -> [nb, H, code_bytes] uint8.
-
-    temporal [nb*8/l, H, D] -> per block [8/l, D] row-major; channel [nb*8, H, D/l] -> [8, D/l];
-    scalar [nb*8, H, D] (values < 2**bits) -> [8, D*bits/8], 8/bits consecutive channels per byte,
-    lowest channel in the lowest bits."""
-    rows, H = codes.shape[0], codes.shape[1]
-    if fmt.method == "temporal":
-        nb = rows * fmt.chunk // BLOCK_TOKENS
-    else:
-        nb = rows // BLOCK_TOKENS
-    c = codes.to(torch.uint8).reshape(nb, -1, H, codes.shape[2]).transpose(1, 2)  # [nb, H, r, w]
-    if fmt.method == "scalar" and fmt.bits < 8:
-        per = 8 // fmt.bits
+def pack_block_codes(cl: CodeLayout, codes: torch.Tensor) -> torch.Tensor:
+    """Natural codes of nb whole blocks, [nb * rows, H, cols] -> [nb, H, block_bytes] uint8."""
+    H, cols = codes.shape[1], codes.shape[2]
+    nb = codes.shape[0] // cl.rows
+    c = codes.to(torch.uint8).reshape(nb, cl.rows, H, cols).transpose(1, 2)  # [nb, H, rows, cols]
+    if cl.code_bits < 8:
+        per = 8 // cl.code_bits
         c = c.reshape(*c.shape[:-1], -1, per).to(torch.int32)
-        shifts = torch.arange(per, device=c.device, dtype=torch.int32) * fmt.bits
+        shifts = torch.arange(per, device=c.device, dtype=torch.int32) * cl.code_bits
         c = (c << shifts).sum(-1).to(torch.uint8)
     return c.reshape(nb, H, -1)
 
 
-def unpack_block_codes(fmt: KVFormat, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Inverse of pack_block_codes: [nb, H, code_bytes] -> natural codes."""
+def unpack_block_codes(cl: CodeLayout, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Inverse of pack_block_codes: [nb, H, block_bytes] -> [nb * rows, H, cols]."""
     nb, H, _ = packed.shape
-    D = head_dim
-    if fmt.method == "temporal":
-        r, w = BLOCK_TOKENS // fmt.chunk, D
-    elif fmt.method == "channel":
-        r, w = BLOCK_TOKENS, D // fmt.chunk
-    else:
-        r, w = BLOCK_TOKENS, D
     c = packed
-    if fmt.method == "scalar" and fmt.bits < 8:
-        per = 8 // fmt.bits
-        shifts = torch.arange(per, device=c.device, dtype=torch.int32) * fmt.bits
-        c = ((c.to(torch.int32)[..., None] >> shifts) & ((1 << fmt.bits) - 1)).to(torch.uint8)
-    c = c.reshape(nb, H, r, w).transpose(1, 2)
-    return c.reshape(nb * r, H, w)
+    if cl.code_bits < 8:
+        per = 8 // cl.code_bits
+        shifts = torch.arange(per, device=c.device, dtype=torch.int32) * cl.code_bits
+        c = ((c.to(torch.int32)[..., None] >> shifts) & ((1 << cl.code_bits) - 1)).to(torch.uint8)
+    c = c.reshape(nb, H, cl.rows, cl.cols(head_dim)).transpose(1, 2)
+    return c.reshape(nb * cl.rows, H, cl.cols(head_dim))

@@ -1,10 +1,10 @@
 """Reference codecs in plain torch: the truth that kernels, the vLLM backend and calibration are
-tested against.  One module per method (temporal, channel, kvquant) behind the ``Codec``
+tested against.  One module per method (temporal, channel, scalar = KVQuant-style) behind the ``Codec``
 interface; ``quantizer`` adds what every method shares (normalization, sinks, blocks, outliers)."""
 
 from .base import Codec, exact_sq_dist, nearest
 from .channel import ChannelCodec
-from .kvquant import ScalarCodec
+from .scalar import ScalarCodec
 from .temporal import TemporalCodec
 
 CODECS: dict[str, type[Codec]] = {

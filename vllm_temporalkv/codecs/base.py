@@ -14,9 +14,11 @@ the exact distance decides among them.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
+
+from ..layout import CodeLayout, code_layout
 
 # candidates kept by the matmul screen; the exact argmin is among them unless >= this many
 # centroids lie within float32 rounding of each other.
@@ -34,13 +36,23 @@ def exact_sq_dist(u: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return d
 
 
+# Faster implementations of the same contract, by device type.  Codecs import no kernels: a
+# room that has one (ops/ for serving, calibration/ for k-means) registers it, and tests hold it
+# bit-identical to ``nearest_torch``.
+_NEAREST_IMPLS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
+
+
+def register_nearest(device_type: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """Use ``fn`` (bit-identical to ``nearest_torch``) for tensors on ``device_type``."""
+    _NEAREST_IMPLS[device_type] = fn
+
+
 def nearest(vecs: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """Index of the nearest centroid. vecs [B, N, v], centroids [B, K, v] -> [B, N] int64.
-    On the CPU a fused numba loop (bit-identical, ~20x faster); otherwise ``nearest_torch``."""
-    from ..kernels import cpu
-
-    if vecs.device.type == "cpu" and cpu.HAVE_NUMBA:
-        return cpu.nearest(vecs, centroids)
+    A registered fast implementation for the device if there is one, else ``nearest_torch``."""
+    fn = _NEAREST_IMPLS.get(vecs.device.type)
+    if fn is not None:
+        return fn(vecs.float().contiguous(), centroids.float().contiguous())
     return nearest_torch(vecs.float(), centroids.float())
 
 
@@ -72,43 +84,57 @@ def nearest_torch(vecs: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
 
 
 class Codec:
-    """Codebooks of one method for one (layer, K-or-V) cache: ``centroids`` is ``[H, G, K, v]``."""
+    """Codebooks of one method for one (layer, K-or-V) cache: ``centroids`` is ``[H, G, K, v]``.
+
+    Generic over the method's ``CodeLayout`` (layout.py): how z is cut into vectors, which
+    codebook group each belongs to, and the natural code tensor ``[T / vec_tokens, H, cols]``."""
 
     method: ClassVar[str]
 
     def __init__(self, chunk: int, n_centroids: int, centroids: torch.Tensor | None = None):
         self.chunk = chunk
         self.n_centroids = n_centroids
+        self.layout: CodeLayout = code_layout(self.method, chunk, n_centroids)
         self.centroids = None if centroids is None else centroids.float()
 
-    # --- what a method defines -------------------------------------------------------------
     @property
     def vec_dim(self) -> int:
-        return self.chunk
+        return self.layout.vec_dim
 
     def num_groups(self, head_dim: int) -> int:
         """Codebooks per KV head."""
-        raise NotImplementedError
+        return self.layout.groups(head_dim)
 
-    def token_multiple(self) -> int:
-        """T passed to to_vectors must be a multiple of this."""
-        raise NotImplementedError
+    def _dims(self):
+        cl = self.layout
+        return cl.vec_tokens, cl.vec_channels, cl.group_channels // cl.vec_channels
 
     def to_vectors(self, z: torch.Tensor) -> torch.Tensor:
-        """[T, H, D] -> [H, G, N, v]."""
-        raise NotImplementedError
+        """[T, H, D] -> [H, G, N, v]: within a group, vectors ordered (token row, column)."""
+        T, H, D = z.shape
+        vt, vc, cpg = self._dims()
+        G = self.num_groups(D)
+        v = z.reshape(T // vt, vt, H, G, cpg, vc).permute(2, 3, 0, 4, 1, 5)
+        return v.reshape(H, G, (T // vt) * cpg, vt * vc)
 
     def from_vectors(self, vecs: torch.Tensor, T: int) -> torch.Tensor:
         """[H, G, N, v] -> [T, H, D]."""
-        raise NotImplementedError
+        H, G = vecs.shape[:2]
+        vt, vc, cpg = self._dims()
+        v = vecs.reshape(H, G, T // vt, cpg, vt, vc).permute(2, 4, 0, 1, 3, 5)
+        return v.reshape(T, H, G * cpg * vc)
 
     def codes_layout(self, assign: torch.Tensor, T: int) -> torch.Tensor:
-        """[H, G, N] -> the method's natural code tensor (first dim: tokens or token chunks)."""
-        raise NotImplementedError
+        """[H, G, N] -> the natural code tensor [T / vec_tokens, H, cols]."""
+        H, G, N = assign.shape
+        vt, _, cpg = self._dims()
+        return assign.reshape(H, G, T // vt, cpg).permute(2, 0, 1, 3).reshape(T // vt, H, G * cpg)
 
     def assign_layout(self, codes: torch.Tensor) -> torch.Tensor:
         """Inverse of codes_layout."""
-        raise NotImplementedError
+        Tr, H, cols = codes.shape
+        _, _, cpg = self._dims()
+        return codes.reshape(Tr, H, cols // cpg, cpg).permute(1, 2, 0, 3).reshape(H, cols // cpg, Tr * cpg)
 
     # --- shared ------------------------------------------------------------------------------
     def codebook_shape(self, num_heads: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -117,31 +143,6 @@ class Codec:
     def vector_weights(self, fisher: torch.Tensor) -> torch.Tensor:
         """Per-element Fisher weights [T, H, D] -> per-vector weights [H, G, N] (sum over the vector)."""
         return self.to_vectors(fisher).sum(-1)
-
-    def fit(
-        self,
-        z: torch.Tensor,
-        fisher: torch.Tensor | None,
-        *,
-        iters: int = 50,
-        seed: int = 0,
-    ) -> "Codec":
-        """Fisher-weighted k-means (k-means++ init) of the normalized samples ``z`` [T, H, D]."""
-        from ..kernels import cpu
-        from .kmeans import FisherKMeans
-
-        vecs = self.to_vectors(z.float())
-        H, G, N, v = vecs.shape
-        X = vecs.reshape(H * G, N, v)
-        w = None if fisher is None else self.vector_weights(fisher.float()).reshape(H * G, N)
-        if X.device.type == "cpu" and cpu.HAVE_NUMBA:
-            C = cpu.kmeans(X, w, self.n_centroids, iters, seed)
-        else:  # GPU: fast-pytorch-kmeans' batched search with a weighted update
-            C = FisherKMeans(self.n_centroids, max_iter=iters, seed=seed).fit(X, w)
-        self.centroids = C.reshape(H, G, self.n_centroids, v)
-        # stored (and used by kernels) in half precision, as in the thesis
-        self.centroids = self.centroids.half().float()
-        return self
 
     def _check_fitted(self) -> torch.Tensor:
         if self.centroids is None:
@@ -169,13 +170,3 @@ class Codec:
     def decode(self, codes: torch.Tensor, T: int) -> torch.Tensor:
         """Codes in natural layout -> normalized [T, H, D] float32."""
         return self.from_vectors(self.lookup(self.assign_layout(codes)), T)
-
-    def weighted_mse(self, z: torch.Tensor, fisher: torch.Tensor | None) -> float:
-        """Mean (Fisher-weighted) squared error of quantizing z; picks the hybrid's chunking."""
-        # element-wise diagonal-Fisher estimate of the loss increase, comparable across chunkings
-        vecs = self.to_vectors(z.float())
-        err = (self.lookup(self.assign(z)) - vecs) ** 2  # [H, G, N, v]
-        if fisher is None:
-            return float(err.mean())
-        f = self.to_vectors(fisher.float())
-        return float((f * err).sum() / f.sum())

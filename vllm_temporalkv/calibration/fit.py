@@ -6,9 +6,11 @@ import zlib
 
 import torch
 
-from vllm_temporalkv.codecs import make_codec
-from vllm_temporalkv.codecs.quantizer import ChannelStats
-from vllm_temporalkv.formats import OUTLIER_QUANTILES, parse_codebook_key
+from ..codecs import Codec, make_codec
+from ..codecs.quantizer import ChannelStats
+from ..formats import OUTLIER_QUANTILES, parse_codebook_key
+from . import numba_search  # noqa: F401  registers the fast exact search for assign()
+from .kmeans import weighted_kmeans
 
 
 def quantile_rows(x: torch.Tensor, q: float) -> torch.Tensor:
@@ -28,6 +30,30 @@ def channel_stats(x: torch.Tensor) -> ChannelStats:
     lo = quantile_rows(x, OUTLIER_QUANTILES[0])
     hi = quantile_rows(x, OUTLIER_QUANTILES[1])
     return ChannelStats(mean, std, lo, hi)
+
+
+def fit_codebooks(codec: Codec, z: torch.Tensor, fisher: torch.Tensor | None, *, iters: int = 50,
+                  seed: int = 0) -> Codec:
+    """Fisher-weighted k-means (k-means++ init) of the normalized samples ``z`` [T, H, D]; sets and
+    returns ``codec``'s centroids (rounded to half precision, as they are stored and served)."""
+    vecs = codec.to_vectors(z.float())
+    H, G, N, v = vecs.shape
+    X = vecs.reshape(H * G, N, v)
+    w = None if fisher is None else codec.vector_weights(fisher.float()).reshape(H * G, N)
+    C = weighted_kmeans(X, w, codec.n_centroids, iters, seed)
+    codec.centroids = C.reshape(H, G, codec.n_centroids, v).half().float()
+    return codec
+
+
+def weighted_mse(codec: Codec, z: torch.Tensor, fisher: torch.Tensor | None) -> float:
+    """Mean (Fisher-weighted) squared error of quantizing z; picks the hybrid's chunking."""
+    # element-wise diagonal-Fisher estimate of the loss increase, comparable across chunkings
+    vecs = codec.to_vectors(z.float())
+    err = (codec.lookup(codec.assign(z)) - vecs) ** 2  # [H, G, N, v]
+    if fisher is None:
+        return float(err.mean())
+    f = codec.to_vectors(fisher.float())
+    return float((f * err).sum() / f.sum())
 
 
 def _seed(base: int, layer: int, kv: str, key: str) -> int:
@@ -56,10 +82,10 @@ def fit_layer(
         f = (grads[kv] * s.std) ** 2 if fisher else None
         for key in keys:
             method, chunk, k = parse_codebook_key(key)
-            codec = make_codec(method, chunk, k).fit(z, f, iters=iters, seed=_seed(seed, layer, kv, key))
+            codec = fit_codebooks(make_codec(method, chunk, k), z, f, iters=iters, seed=_seed(seed, layer, kv, key))
             books[(kv, key)] = codec.centroids.half()
             # always Fisher-weighted when we have gradients: this is what the hybrid compares
-            mse[(kv, key)] = codec.weighted_mse(z, (grads[kv] * s.std) ** 2)
+            mse[(kv, key)] = weighted_mse(codec, z, (grads[kv] * s.std) ** 2)
             if on_fit is not None:
                 on_fit()
     return stats, books, mse

@@ -52,18 +52,11 @@ def _encode_blocks(lc: LayerCache, pages, page_ids, block_slots, k_pre, v, ) -> 
     for kind, q, x in (("k", lc.k, k_pre), ("v", lc.v, v)):
         enc = q.encode(x)
         codes = lay.codes_view(pages, kind)
-        codes[page_ids, :, block_slots] = pack_block_codes(_codec_fmt(lc, q), enc.codes)
+        codes[page_ids, :, block_slots] = pack_block_codes(q.codec.layout, enc.codes)
         if lay.outliers:
             idx, val = lay.outlier_views(pages, kind, lc.dtype)
             idx[page_ids, :, block_slots] = enc.outlier_idx
             val[page_ids, :, block_slots] = enc.outlier_val.to(lc.dtype)
-
-
-def _codec_fmt(lc: LayerCache, q: KVQuantizer) -> KVFormat:
-    """The format as the codes of this layer/kind are laid out (the hybrid may be channel-chunked)."""
-    if q.codec.method == lc.fmt.method:
-        return lc.fmt
-    return dataclasses.replace(lc.fmt, method=q.codec.method)
 
 
 @torch.no_grad()
@@ -158,7 +151,7 @@ def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n:
         T = (full - 1) * BLOCK_TOKENS
         for kind, q, out in (("k", lc.k, K), ("v", lc.v, V)):
             packed = lay.codes_view(pages, kind)[pg, :, slot]  # [nblk, H, code_bytes]
-            enc = Encoded(unpack_block_codes(_codec_fmt(lc, q), packed, D), None, None)
+            enc = Encoded(unpack_block_codes(q.codec.layout, packed, D), None, None)
             if lay.outliers:
                 idx, val = lay.outlier_views(pages, kind, lc.dtype)
                 enc.outlier_idx, enc.outlier_val = idx[pg, :, slot], val[pg, :, slot]
@@ -289,21 +282,28 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     batch_invariant: bool = True,
+    *,
+    requests=None,
+    gather=None,
 ) -> torch.Tensor:
     """query [T, Hq, D] and this step's key/value [T, Hkv, D] for a batch of requests laid out by
     query_start_loc [R + 1]; seq_lens [R] count cached + new tokens. Returns [T, Hq, D].
 
     batch_invariant: on the CPU, accumulate in float64 so that outputs do not depend on chunking or
-    batching (the oracle); otherwise float32 with torch's fused flash attention (the serving default)."""
+    batching (the oracle); otherwise float32 with torch's fused flash attention (the serving default).
+    requests: only these request indices (others' rows of ``out`` untouched); gather: a twin of
+    ``gather_kv`` (the C++ one) - how the fast paths reuse this attention for prefill chunks."""
     if out is None:
         out = torch.empty_like(query)
     qsl = query_start_loc.tolist()
-    for r, n in enumerate(seq_lens.tolist()):
-        a, b = qsl[r], qsl[r + 1]
+    lens = seq_lens.tolist()
+    gather = gather or gather_kv
+    for r in range(len(lens)) if requests is None else requests:
+        n, a, b = lens[r], qsl[r], qsl[r + 1]
         if b == a:
             continue
         ctx = n - (b - a)
-        kc, vc = gather_kv(lc, pages, block_tables[r], ctx)  # decoded blocks + exact tail
+        kc, vc = gather(lc, pages, block_tables[r], ctx)  # decoded blocks + exact tail
         K = torch.cat([kc, key[a:b].to(lc.dtype)])
         V = torch.cat([vc, value[a:b].to(lc.dtype)])
         # blocks this step completes (the context's tail block included) also in decoded form

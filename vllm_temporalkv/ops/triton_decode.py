@@ -1,4 +1,4 @@
-"""Triton paged flash-decoding straight from the codes: the twin of ``reference.paged_attention``
+"""Triton paged flash-decoding straight from the codes: the twin of ``paged_torch.paged_attention``
 for decode steps (one query token per request).
 
 Grid (request, KV head, split).  A split streams tiles of BT tokens (BT/8 whole blocks, each
@@ -285,7 +285,7 @@ def paged_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Ten
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     scale: float, out: torch.Tensor | None = None, *, splits: int | None = None,
                     max_position: int | None = None) -> torch.Tensor:
-    """Triton twin of ``reference.paged_attention`` for decode batches: request r's one query token
+    """Triton twin of ``paged_torch.paged_attention`` for decode batches: request r's one query token
     is query[r] (``query_start_loc`` must be 0..R; it is not read, to spare a device sync).
     ``splits`` overrides the split-K heuristic; ``max_position`` bounds the positions (default:
     the block table's capacity)."""
@@ -315,8 +315,8 @@ def paged_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Ten
         acc, ml, float(scale) * LOG2E, triton.cdiv(max_tiles, S), lay.bytes, lay.k_codes, lay.v_codes,
         lay.k_idx, lay.k_val, lay.v_idx, lay.v_val, lay.block_size,
         H=H, GQ=GQ, GQ_P=max(16, triton.next_power_of_2(GQ)), D=D, BT=TILE_TOKENS,
-        KM=kp.method, KL=kp.chunk, KBITS=kp.bits, KKC=kp.n_centroids,
-        VM=vp.method, VL=vp.chunk, VBITS=vp.bits, VKC=vp.n_centroids,
+        KM=kp.method, KL=kp.chunk, KBITS=kp.code_bits, KKC=kp.n_centroids,
+        VM=vp.method, VL=vp.chunk, VBITS=vp.code_bits, VKC=vp.n_centroids,
         CAP=lay.cap, CAP_P2=triton.next_power_of_2(max(lay.cap, 1)), F32=INTERPRET,
     )
     _reduce_kernel[(R, HQ)](acc, ml, out, vp.mean, vp.std, S, HQ=HQ, GQ=GQ, D=D,

@@ -1,4 +1,4 @@
-"""Triton cache update: the twin of ``reference.write_kv``, writing straight into the page bytes.
+"""Triton cache update: the twin of ``paged_torch.write_kv``, writing straight into the page bytes.
 
 Two kernels, launched in this order; the order is part of the contract, because encoding reads the
 tail slots where a block's first rows wait, and storing may reuse those slots for a later block of
@@ -65,9 +65,9 @@ _ENCODE_TILE = 1 << 22 if INTERPRET else 4096
 class CodecParams:
     """One (layer, K-or-V) quantizer as kernel arguments."""
 
-    method: int  # METHOD_IDS
+    method: int  # METHOD_IDS[code layout method]: the kernels branch on the layout's geometry
     chunk: int  # floats per vector (1 for scalar)
-    bits: int  # bits per code as packed in the page (8 for the vector methods)
+    code_bits: int  # bits per code as packed in the page (8 for the vector methods)
     n_centroids: int
     centroids: torch.Tensor  # [H, G, K, v] fp16 (the codec's values are fp16-representable)
     mean: torch.Tensor  # [H, D] float32, like all the statistics
@@ -85,13 +85,13 @@ def codec_params(quantizer, device) -> CodecParams:
     key = str(device)
     if key not in per:
         codec, s = quantizer.codec, quantizer.stats
+        cl = codec.layout  # layout.CodeLayout: the one description of the codes
         f32 = lambda t: t.float().contiguous().to(device)  # noqa: E731
-        scalar = codec.method == "scalar"
         per[key] = CodecParams(
-            METHOD_IDS[codec.method],
-            1 if scalar else codec.chunk,
-            (codec.n_centroids - 1).bit_length() if scalar else 8,
-            codec.n_centroids,
+            METHOD_IDS[cl.method],
+            cl.vec_dim,
+            cl.code_bits,
+            cl.n_centroids,
             codec._check_fitted().half().contiguous().to(device),
             f32(s.mean), f32(s.std), f32(s.inv_std), f32(s.lo), f32(s.hi),
         )
@@ -291,14 +291,14 @@ def _encode_launch_args(prm: CodecParams, D: int) -> dict:
     """Step sizes: about _ENCODE_TILE distance terms per step."""
     step = _pow2_floor(_ENCODE_TILE // (BLOCK_TOKENS * prm.n_centroids))
     if prm.method == 2:  # CB channels per step, whole bytes of packed codes
-        return dict(GB=1, CB=min(D, max(8 // prm.bits, step)))
+        return dict(GB=1, CB=min(D, max(8 // prm.code_bits, step)))
     return dict(GB=min(D // prm.chunk, step), CB=1)
 
 
 @torch.no_grad()
 def write_kv(lc, pages: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
              page_ids: torch.Tensor, *, max_position: int | None = None) -> None:
-    """Triton twin of ``reference.write_kv`` (same arguments).  ``max_position`` (exclusive bound
+    """Triton twin of ``paged_torch.write_kv`` (same arguments).  ``max_position`` (exclusive bound
     on ``positions``) spares a device sync when given."""
     N = key.shape[0]
     if N == 0:
@@ -321,7 +321,7 @@ def write_kv(lc, pages: torch.Tensor, key: torch.Tensor, value: torch.Tensor, po
         _encode_kernel[(N, H)](
             x, pos, pid, u8, hv, i16, cos, sin, prm.mean, prm.inv_std, prm.lo, prm.hi, prm.centroids,
             lay.bytes, lay.k_codes if kind == "k" else lay.v_codes, idx_off, val_off, lay.block_size,
-            H=H, D=D, KV=kv, METHOD=prm.method, L=prm.chunk, BITS=prm.bits, KC=prm.n_centroids,
+            H=H, D=D, KV=kv, METHOD=prm.method, L=prm.chunk, BITS=prm.code_bits, KC=prm.n_centroids,
             CAP=cap, CAP_P2=triton.next_power_of_2(max(cap, 1)), ROPE=kind == "k", S2=s2,
             HALF_BF16=lc.dtype == torch.bfloat16, **_encode_launch_args(prm, D),
             enable_fp_fusion=False,

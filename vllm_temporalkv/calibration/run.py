@@ -1,6 +1,6 @@
 """Calibration: real text -> pre-RoPE K/V + Fisher weights -> k-means codebooks -> one artifact.
 
-    python -m calibrate [--model M] [--data wiki-leads] [--formats all] [--output FILE]
+    temporalkv-calibrate [--model M] [--data wiki-leads] [--formats all] [--output FILE]
 
 Work is checkpointed in ``<output>.work/`` (the collected activations, then one file per finished
 layer), so an interrupted run restarts where it stopped; the directory is removed at the end.
@@ -19,12 +19,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from vllm_temporalkv import __version__
-from vllm_temporalkv.artifact import Artifact, default_artifact_path, model_fingerprint
-from vllm_temporalkv.codecs.quantizer import ChannelStats
-from vllm_temporalkv.formats import FORMATS, check_head_dim, get_format
+from .. import __version__
+from ..artifact import Artifact, default_artifact_path, model_fingerprint
+from ..codecs.quantizer import ChannelStats
+from ..formats import FORMATS, check_head_dim, get_format
 
-from .collect import collect_kv_grads
+from .collect import collect_kv_grads, load_collected, save_collected
 from .fit import fit_layer
 
 THESIS_SAMPLES = 64  # 64 x 2048 tokens (thesis sec. 5.2)
@@ -77,8 +77,8 @@ def run_calibration(
     progress: bool = True,
     log=print,
 ) -> Artifact:
-    from vllm_temporalkv.corpora import load_corpus, token_windows
-    from vllm_temporalkv.models import load_hf_model, load_tokenizer, resolve_model
+    from ..corpora import load_corpus, token_windows
+    from ..models import load_hf_model, load_tokenizer, resolve_model
 
     t0 = time.time()
     if device == "auto":
@@ -118,18 +118,13 @@ def run_calibration(
     t_collect = time.time()
     if coll.is_file():
         log(f"resuming: reusing collected activations in {coll}")
-        flat = load_file(str(coll))
-        acts = [{kv: flat[f"a.{i}.{kv}"] for kv in "kv"} for i in range(L)]
-        grads = [{kv: flat[f"g.{i}.{kv}"] for kv in "kv"} for i in range(L)]
+        acts, grads = load_collected(coll)
     else:
         docs = load_corpus(data)
         windows = token_windows(tok, docs, seq_len, num_samples)
         acts, grads = collect_kv_grads(hf, windows, device=device, progress=progress)
-        flat = {f"a.{i}.{kv}": acts[i][kv] for i in range(L) for kv in "kv"}
-        flat.update({f"g.{i}.{kv}": grads[i][kv] for i in range(L) for kv in "kv"})
-        save_file(flat, str(coll.with_suffix(".tmp")))
-        coll.with_suffix(".tmp").rename(coll)
-    del hf, flat
+        save_collected(coll, acts, grads)
+    del hf
     t_collect = time.time() - t_collect
 
     # ---- 2. per layer: statistics, codebooks, MSE (one checkpoint file per layer)
@@ -203,5 +198,47 @@ def summary(art: Artifact, path: Path) -> str:
             ks = [i for i, m in enumerate(lm["k"]) if m == "channel"]
             vs = [i for i, m in enumerate(lm["v"]) if m == "channel"]
             hyb = f"K {ks or '-'}  V {vs or '-'}"
-        lines.append(f"{name:18} {fmt.bits:>4} {art.centroid_bytes(name) / 2**20:>13.2f} MiB  {hyb}")
+        lines.append(f"{name:18} {fmt.bits_per_float:>4} {art.centroid_bytes(name) / 2**20:>13.2f} MiB  {hyb}")
     return "\n".join(lines)
+
+
+def _same_stats(a: Artifact, b: Artifact, rtol: float = 1e-3, atol: float = 1e-4) -> bool:
+    return set(a.stats) == set(b.stats) and all(
+        torch.allclose(getattr(a.stats[k], n), getattr(b.stats[k], n), rtol=rtol, atol=atol)
+        for k in a.stats for n in ("mean", "std", "lo", "hi"))
+
+
+def extend_artifact(path: str | Path, formats: list[str], *, model: str | None = None, device: str = "auto",
+                    progress: bool = True, log=print) -> Artifact:
+    """Add ``formats`` to the artifact at ``path`` without losing what it holds: the new formats'
+    codebooks are fitted with the settings the artifact records (same text, windows, iterations,
+    seed, so the same per-channel statistics) and merged in; if the statistics do not come out the
+    same (other text, other software), every format is re-calibrated with those settings."""
+    path = Path(path)
+    old = Artifact.load(path)
+    new_formats = [f for f in formats if f not in old.formats]
+    if not new_formats:
+        return old
+    c = old.calibration
+    kw = dict(model=model, data=c.get("data", "wiki-leads"), num_samples=c.get("num_samples"),
+              seq_len=c.get("seq_len", 2048), iters=c.get("iters", 50), seed=c.get("seed", 0),
+              fisher=c.get("fisher", True), device=device, progress=progress, log=log)
+    tmp = path.with_name(path.stem + ".extend.safetensors")
+    new = run_calibration(formats=new_formats, output=tmp, **kw)
+    if new.fingerprint != old.fingerprint or not _same_stats(old, new):
+        log(f"the per-channel statistics differ from those {path} was made with: re-calibrating all of "
+            f"{', '.join(old.formats + new_formats)} with its settings")
+        art = run_calibration(formats=old.formats + new_formats, output=tmp, **kw)
+    else:
+        books = dict(new.codebooks)
+        books.update(old.codebooks)  # a family both hold: keep the served one
+        calibration = dict(c)
+        calibration["codebooks"] = list(dict.fromkeys(list(c.get("codebooks") or []) + list(new.calibration["codebooks"])))
+        calibration["extended"] = list(c.get("extended") or []) + [
+            {"formats": new_formats, "seconds": new.calibration["seconds"], "created": new.calibration["created"]}]
+        art = Artifact(old.fingerprint, old.formats + new_formats, {**old.layer_methods, **new.layer_methods},
+                       calibration, old.stats, books, {**old.mse, **new.mse})
+    art.save(path)
+    tmp.unlink(missing_ok=True)
+    log(summary(art, path))
+    return art

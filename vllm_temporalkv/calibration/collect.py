@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from vllm_temporalkv.formats import SINK_TOKENS
-from vllm_temporalkv.hf_hooks import head_shape, kv_output_hooks
+from ..formats import SINK_TOKENS
+from ..hf_hooks import head_shape, kv_output_hooks
 
 
 def collect_kv_grads(
@@ -54,3 +54,26 @@ def collect_kv_grads(
             )
             loss.backward()
     return acts, grads
+
+
+def save_collected(path, acts: list[dict[str, torch.Tensor]], grads: list[dict[str, torch.Tensor]]) -> None:
+    """Keep what ``collect_kv_grads`` returned (safetensors, written under a temporary name first)."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    flat = {f"{t}.{i}.{kv}": d[i][kv] for t, d in (("a", acts), ("g", grads)) for i in range(len(acts)) for kv in "kv"}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(flat, str(tmp))
+    tmp.rename(path)
+
+
+def load_collected(path) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """Inverse of ``save_collected``: (acts, grads), per layer {"k": ..., "v": ...}."""
+    from safetensors.torch import load_file
+
+    flat = load_file(str(path))
+    L = len({k.split(".")[1] for k in flat})
+    return ([{kv: flat[f"a.{i}.{kv}"] for kv in "kv"} for i in range(L)],
+            [{kv: flat[f"g.{i}.{kv}"] for kv in "kv"} for i in range(L)])

@@ -1,4 +1,5 @@
-"""CPU kernels (numba): the codec's nearest-centroid search and Fisher-weighted k-means.
+"""Calibration on the CPU (numba): the codec's nearest-centroid search and the Lloyd engine of the
+weighted k-means (``kmeans.weighted_kmeans`` seeds it; the GPU engine is fast-pytorch-kmeans).
 
 Why: with 2-8 floats per vector and 256 centroids, torch materializes a [N, 256] score matrix per
 vector batch and runs at ~0.1 G scores/s on two cores; these fused loops run at 1-2.5 G scores/s,
@@ -6,7 +7,7 @@ which is what makes calibration and the quality harness fit on a CPU machine.
 
 ``nearest`` follows the codec contract exactly (see codecs/base.py: float32, sequential over the
 vector's floats, no fused multiply-add since fastmath is off, ties to the lowest index) and is
-tested bit-identical to the torch reference.  ``kmeans`` is Lloyd's algorithm with Hamerly's
+tested bit-identical to the torch reference.  ``lloyd`` is Lloyd's algorithm with Hamerly's
 bounds (skips points whose assignment provably cannot change) - the same iterates as plain
 Lloyd up to float rounding.
 """
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 try:
-    import numba
+    import numba  # noqa: F401
     from numba import njit, prange
 
     HAVE_NUMBA = True
@@ -82,24 +83,19 @@ if HAVE_NUMBA:
         return bi, b1, b2
 
     @njit(fastmath=False, cache=True)
-    def _kmeans_one(X, W, C, U, iters, assign):  # pragma: no cover - compiled
-        """Weighted k-means++ (uniforms U[K]) then `iters` weighted Lloyd steps, in place on C."""
+    def _kpp_one(X, W, C, U):  # pragma: no cover - compiled
+        """Weighted k-means++ seeds (next seed ~ w * D^2, drawn with the uniforms U[K]) into C."""
         N, v = X.shape
         K = C.shape[0]
-        # ---- weighted k-means++: next seed ~ w * D^2
-        mind = np.empty(N, np.float64)
+        mind = np.ones(N, np.float64)
         cum = np.empty(N, np.float64)
         for k in range(K):
-            if k == 0:
-                for p in range(N):
-                    mind[p] = 1.0
             tot = 0.0
             for p in range(N):
                 tot += W[p] * mind[p]
                 cum[p] = tot
-            if tot <= 0.0:  # every point is already a centroid: repeat one
-                pick = 0
-            else:
+            pick = 0
+            if tot > 0.0:  # else every point is already a centroid: repeat one
                 r = U[k] * tot
                 lo = 0
                 hi = N - 1
@@ -119,6 +115,17 @@ if HAVE_NUMBA:
                     d += t * t
                 if k == 0 or d < mind[p]:
                     mind[p] = d
+
+    @njit(parallel=True, fastmath=False, cache=True)
+    def _kpp(X, W, C, U):  # pragma: no cover - compiled
+        for b in prange(X.shape[0]):
+            _kpp_one(X[b], W[b], C[b], U[b])
+
+    @njit(fastmath=False, cache=True)
+    def _lloyd_one(X, W, C, iters, assign):  # pragma: no cover - compiled
+        """`iters` weighted Lloyd steps from the seeds in C, in place."""
+        N, v = X.shape
+        K = C.shape[0]
         # ---- Lloyd with Hamerly bounds (distances, not squared, for the triangle inequality)
         Ct = np.ascontiguousarray(C.T)
         dist = np.empty(K, np.float32)
@@ -182,9 +189,9 @@ if HAVE_NUMBA:
                 lower[p] = np.sqrt(b2)
 
     @njit(parallel=True, fastmath=False, cache=True)
-    def _kmeans(X, W, C, U, iters, assign):  # pragma: no cover - compiled
+    def _lloyd(X, W, C, iters, assign):  # pragma: no cover - compiled
         for b in prange(X.shape[0]):
-            _kmeans_one(X[b], W[b], C[b], U[b], iters, assign[b])
+            _lloyd_one(X[b], W[b], C[b], iters, assign[b])
 
 
 def nearest(vecs: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -197,24 +204,30 @@ def nearest(vecs: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def kmeans(
-    X: torch.Tensor, weights: torch.Tensor | None, n_clusters: int, iters: int, seed: int
-) -> torch.Tensor:
-    """Weighted k-means++ + Lloyd on B independent problems: X [B, N, v] -> centroids [B, K, v]."""
-    B, N, v = X.shape
+def kmeans_pp(X: torch.Tensor, weights: torch.Tensor, uniforms: torch.Tensor, n_clusters: int) -> torch.Tensor:
+    """The CPU engine of ``kmeans.kmeans_pp`` (bit-identical): X [B, N, v], weights [B, N] float64,
+    uniforms [B, K] float64 -> seeds [B, K, v] float32."""
     Xn = np.ascontiguousarray(X.detach().float().cpu().numpy())
-    if weights is None:
-        Wn = np.ones((B, N), np.float64)
-    else:
-        Wn = weights.detach().double().cpu().clamp_min(0).numpy()
-        Wn = np.maximum(Wn, Wn.mean(-1, keepdims=True) * 1e-6 + 1e-300)
-    gen = torch.Generator().manual_seed(seed)
-    U = torch.rand(B, n_clusters, generator=gen, dtype=torch.float64).numpy()
-    C = np.zeros((B, n_clusters, v), np.float32)
-    assign = np.empty((B, N), np.int64)
-    _kmeans(Xn, np.ascontiguousarray(Wn), C, U, iters, assign)
+    Wn = np.ascontiguousarray(weights.detach().double().cpu().numpy())
+    Un = np.ascontiguousarray(uniforms.detach().double().cpu().numpy())
+    C = np.zeros((X.shape[0], n_clusters, X.shape[2]), np.float32)
+    _kpp(Xn, Wn, C, Un)
     return torch.from_numpy(C)
 
 
-def num_threads() -> int:
-    return numba.get_num_threads() if HAVE_NUMBA else torch.get_num_threads()
+def lloyd(X: torch.Tensor, weights: torch.Tensor, seeds: torch.Tensor, iters: int) -> torch.Tensor:
+    """Weighted Lloyd on B independent problems from the given seeds (``kmeans.weighted_kmeans``
+    is the algorithm; this is its CPU engine): X [B, N, v], weights [B, N] float64 (> 0),
+    seeds [B, K, v] -> centroids [B, K, v] float32."""
+    Xn = np.ascontiguousarray(X.detach().float().cpu().numpy())
+    Wn = np.ascontiguousarray(weights.detach().double().cpu().numpy())
+    C = np.ascontiguousarray(seeds.detach().float().cpu().numpy()).copy()
+    assign = np.empty(X.shape[:2], np.int64)
+    _lloyd(Xn, Wn, C, iters, assign)
+    return torch.from_numpy(C)
+
+
+if HAVE_NUMBA:  # calibration and the quality harness encode through the codecs: give them this search
+    from ..codecs.base import register_nearest
+
+    register_nearest("cpu", nearest)

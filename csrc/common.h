@@ -1,0 +1,113 @@
+// vllm-temporalkv CPU kernels: plain-old-data arguments shared by the torch binding (ops.cpp) and
+// the per-ISA translation units (isa_*.cpp).  No torch headers here: the ISA units are compiled
+// with different target flags and must not instantiate shared inline/template code (an inline
+// function compiled with AVX-512 in one unit could be picked by the linker for all of them).
+#pragma once
+#include <cstdint>
+
+namespace tkv {
+
+constexpr int BLOCK = 8;   // tokens per encoded block (formats.BLOCK_TOKENS)
+constexpr int SINKS = 8;   // exact sink tokens (formats.SINK_TOKENS)
+constexpr int TAIL0 = 8;   // first tail slot of the region (layout.TAIL_SLOT0)
+constexpr int TILE = 32;   // tokens per decode tile (multiple of BLOCK)
+constexpr int MAX_D = 256;
+
+enum Method : int { TEMPORAL = 0, CHANNEL = 1, SCALAR = 2 };
+
+// One (layer, K-or-V) quantizer and where its bytes sit inside a (page, head) record.
+struct Codec {
+  int method;   // Method
+  int chunk;    // floats per vector (1 for scalar)
+  int bits;     // bits per packed code: 8 for the vector methods, 4/2/1 for scalar
+  int kc;       // centroids per codebook
+  int code_bytes;        // bytes of codes per block of 8 tokens
+  int64_t codes_off;     // byte offset of this kind's codes in the record
+  int64_t idx_off;       // outlier positions (int16), if cap > 0
+  int64_t val_off;       // outlier values (model half dtype)
+  const float* cent;     // [H, G, KC, v] float32
+  const float* centT;    // [H, G, v, KC] float32 (encode)
+  const uint16_t* cent16; // [H, G, KC, v] float16 bits (decode attention: half the cache footprint)
+  const float* centK;     // scalar method: [H, KC, D] (the codebook value k of every channel side by side)
+  const float* mean;     // [H, D]
+  const float* std;
+  const float* inv_std;
+  const float* lo;
+  const float* hi;
+};
+
+struct Layout {
+  int H, D, block_size, cap;
+  int64_t rec_bytes;  // bytes per (page, head) record
+  int bf16;           // model half dtype: 1 bfloat16, 0 float16
+};
+
+struct DecodeArgs {
+  Layout lay;
+  Codec k, v;
+  const uint8_t* pages;
+  int R, Hq, g, S;
+  const float* q;      // [R, Hq, D] float32
+  const float* knew;   // [R, H, D] float32 (already rounded to the model dtype)
+  const float* vnew;
+  const int32_t* seq_lens;  // [R]
+  const int32_t* bt;        // [R, bt_stride]
+  int64_t bt_stride;
+  const float* cosT;   // [D/2, P]: Rope.cos_sin of positions 0..P-1, transposed (exact per-position RoPE)
+  const float* sinT;
+  int64_t P;
+  // exact = 0 (faster): keys rotated as R(tile start) R(offset) with the query rotated back by the
+  // tile start (cos/sin of offsets 0..TILE-1 transposed [D/2, TILE], rotation without the RoPE
+  // scale), decoded K/V not rounded to the model dtype
+  int exact;
+  const float* tcos;   // [P/TILE, D/2]: cos/sin of positions i * TILE (Rope.cos_sin, scaled)
+  const float* tsin;
+  const float* dcos;
+  const float* dsin;
+  float inv_rope_scale;
+  float scale;         // softmax scale
+  int tiles_per_split;
+  float* part;         // [R, H, S, g, 4 + 2D]
+  float* out;          // [R, Hq, D] float32
+};
+
+struct GatherArgs {
+  Layout lay;
+  Codec k, v;
+  const uint8_t* pages;
+  const int32_t* bt;   // one block table row
+  const float* cos;    // [P, D/2] (Rope.cos_sin; channels c and c + D/2 share them)
+  const float* sin;
+  uint16_t* kout;      // [n, H, D] model half dtype bits
+  uint16_t* vout;
+};
+
+struct EncodeArgs {
+  Layout lay;
+  Codec k, v;
+  uint8_t* pages;
+  const uint16_t* kh;  // [N, H, D] model dtype bits
+  const uint16_t* vh;
+  const int64_t* pos;  // [N]
+  const int64_t* pid;  // [N]
+  const int64_t* ends; // [E] indices of the tokens that complete a block
+  const float* cos;    // [P, D/2]
+  const float* sin;
+  float s2;            // rope scale ** 2
+};
+
+// The entry points every ISA unit defines (namespace tkv::<isa>).
+struct Kernels {
+  const char* name;
+  void (*decode_item)(const DecodeArgs&, int64_t item);
+  void (*decode_merge)(const DecodeArgs&, int64_t rh);
+  void (*gather_block)(const GatherArgs&, int64_t item);  // item = (block - 1) * H + h
+  void (*encode_item)(const EncodeArgs&, int64_t item);   // item = end index * H + h
+  void (*nearest_rows)(const float* vecs, const float* centT, int64_t* out, int64_t n, int K, int v);
+};
+
+namespace avx512 { extern const Kernels kernels; }
+namespace avx2 { extern const Kernels kernels; }
+namespace scalar { extern const Kernels kernels; }
+
+}  // namespace tkv

@@ -1,0 +1,1045 @@
+// The CPU kernels, written once for a generic SIMD width.  Included by isa_avx512.cpp, isa_avx2.cpp
+// and isa_scalar.cpp, each after `#pragma GCC target(...)` with TKV_ISA (the namespace) and TKV_W
+// (floats per vector: 16, 8 or 4) defined.  Everything except the exported kernel table has
+// internal linkage (anonymous namespace), so no code compiled for one ISA can leak into another.
+//
+// Floating-point contract: the units are compiled with -ffp-contract=off, so `a * b + c` is two
+// roundings, exactly as torch's elementwise ops compute it; fused multiply-adds appear only where
+// vfma() is written (the attention math).  The encode and gather paths use no vfma and reproduce
+// the torch reference (ops/paged_torch.py) bit for bit.
+
+#include "common.h"
+
+namespace tkv {
+namespace TKV_ISA {
+namespace {
+
+constexpr int W = TKV_W;
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+
+inline vf vload(const float* p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
+inline void vstore(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+inline vf vbc(float x) { return vf{} + x; }
+inline vf vfma(vf a, vf b, vf c) {
+#if TKV_W == 16
+  return _mm512_fmadd_ps(a, b, c);
+#elif TKV_W == 8
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return a * b + c;  // (two roundings: -ffp-contract=off; no FMA unit assumed)
+#endif
+}
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline vf vmin(vf a, vf b) { return a < b ? a : b; }
+inline float hsum(vf v) {
+  float s = v[0];
+  for (int i = 1; i < W; ++i) s += v[i];
+  return s;
+}
+
+inline uint32_t f2u(float f) { uint32_t u; __builtin_memcpy(&u, &f, 4); return u; }
+inline float u2f(uint32_t u) { float f; __builtin_memcpy(&f, &u, 4); return f; }
+
+// exp for the softmax (Cephes polynomial, ~1 ulp); inputs <= 0 here, clamped below at -87.
+inline vf vexp(vf x) {
+  x = vmin(vmax(x, vbc(-87.0f)), vbc(88.0f));
+  vf t = vfma(x, vbc(1.44269504088896341f), vbc(0.5f));
+  vi ti = __builtin_convertvector(t, vi);  // truncation
+  vf tf = __builtin_convertvector(ti, vf);
+  ti = ti + (vi)(tf > t);  // floor: -1 where truncation rounded up
+  tf = __builtin_convertvector(ti, vf);
+  vf r = vfma(tf, vbc(-0.693359375f), x);
+  r = vfma(tf, vbc(2.12194440e-4f), r);
+  vf p = vbc(1.9875691500e-4f);
+  p = vfma(p, r, vbc(1.3981999507e-3f));
+  p = vfma(p, r, vbc(8.3334519073e-3f));
+  p = vfma(p, r, vbc(4.1665795894e-2f));
+  p = vfma(p, r, vbc(1.6666665459e-1f));
+  p = vfma(p, r, vbc(5.0000001201e-1f));
+  p = vfma(p, r * r, r + vbc(1.0f));
+  vi e = (ti + 127) << 23;
+  vf s;
+  __builtin_memcpy(&s, &e, sizeof s);
+  return p * s;
+}
+
+// ---- half precision <-> float (round to nearest even, as torch's casts) ------------------------
+
+inline float fp16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t ex = (h >> 10) & 0x1f, man = h & 0x3ff;
+  if (ex == 0) {
+    float f = (float)man * 5.9604644775390625e-8f;  // subnormal (or zero): man * 2^-24, exact
+    return u2f(f2u(f) | sign);
+  }
+  if (ex == 31) return u2f(sign | 0x7f800000u | (man << 13));
+  return u2f(sign | ((ex + 112) << 23) | (man << 13));
+}
+
+inline uint16_t f32_to_fp16(float f) {  // FP16 library's fp16_ieee_from_fp32_value (c10::Half)
+  const float scale_to_inf = 0x1.0p+112f;
+  const float scale_to_zero = 0x1.0p-110f;
+  float base = (__builtin_fabsf(f) * scale_to_inf) * scale_to_zero;
+  const uint32_t w = f2u(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = u2f((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = f2u(base);
+  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+  const uint32_t mantissa_bits = bits & 0x00000FFFu;
+  const uint32_t nonsign = exp_bits + mantissa_bits;
+  return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+inline float bf16_to_f32(uint16_t h) { return u2f((uint32_t)h << 16); }
+inline uint16_t f32_to_bf16(float f) {
+  if (f != f) return 0x7FC0;
+  uint32_t u = f2u(f);
+  return (uint16_t)((u + (((u >> 16) & 1) + 0x7FFF)) >> 16);
+}
+inline float h2f(uint16_t h, int bf16) { return bf16 ? bf16_to_f32(h) : fp16_to_f32(h); }
+inline uint16_t f2h(float f, int bf16) { return bf16 ? f32_to_bf16(f) : f32_to_fp16(f); }
+inline float round_half(float f, int bf16) { return h2f(f2h(f, bf16), bf16); }
+
+// round float32 lanes to the model's half dtype and back (round to nearest even, as torch's casts)
+inline vf vround(vf x, int bf16) {  // bf16: 1 bfloat16, 0 float16, 2 no rounding
+  typedef uint32_t vu __attribute__((vector_size(W * 4)));
+  if (bf16 == 2) return x;
+  if (bf16) {
+    vu u;
+    __builtin_memcpy(&u, &x, sizeof u);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    __builtin_memcpy(&x, &u, sizeof u);
+    return x;
+  }
+#if TKV_W == 16
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif TKV_W == 8
+  return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  for (int i = 0; i < W; ++i) x[i] = round_half(x[i], 0);
+  return x;
+#endif
+}
+
+// ---- page records ------------------------------------------------------------------------------
+
+inline const uint8_t* record(const uint8_t* pages, const Layout& L, int64_t page, int h) {
+  return pages + (page * L.H + h) * L.rec_bytes;
+}
+inline const uint16_t* region_row(const uint8_t* rec, const Layout& L, int slot, int kv) {
+  return reinterpret_cast<const uint16_t*>(rec) + (int64_t)(slot * 2 + kv) * L.D;
+}
+
+// ---- 8 x 8 transposes between a block's rows [8][D] and columns [D][8] --------------------------
+
+// dst[j * ldd + i] = src[i * lds + j], i, j < 8
+inline void tr8(const float* src, int lds, float* dst, int ldd) {
+#if TKV_W >= 8
+  __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + lds), r2 = _mm256_loadu_ps(src + 2 * lds),
+         r3 = _mm256_loadu_ps(src + 3 * lds), r4 = _mm256_loadu_ps(src + 4 * lds),
+         r5 = _mm256_loadu_ps(src + 5 * lds), r6 = _mm256_loadu_ps(src + 6 * lds),
+         r7 = _mm256_loadu_ps(src + 7 * lds);
+  __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+  __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+  __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+  __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+  __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+  __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+  __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  _mm256_storeu_ps(dst, _mm256_permute2f128_ps(s0, s4, 0x20));
+  _mm256_storeu_ps(dst + ldd, _mm256_permute2f128_ps(s1, s5, 0x20));
+  _mm256_storeu_ps(dst + 2 * ldd, _mm256_permute2f128_ps(s2, s6, 0x20));
+  _mm256_storeu_ps(dst + 3 * ldd, _mm256_permute2f128_ps(s3, s7, 0x20));
+  _mm256_storeu_ps(dst + 4 * ldd, _mm256_permute2f128_ps(s0, s4, 0x31));
+  _mm256_storeu_ps(dst + 5 * ldd, _mm256_permute2f128_ps(s1, s5, 0x31));
+  _mm256_storeu_ps(dst + 6 * ldd, _mm256_permute2f128_ps(s2, s6, 0x31));
+  _mm256_storeu_ps(dst + 7 * ldd, _mm256_permute2f128_ps(s3, s7, 0x31));
+#else
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 8; ++j) dst[j * ldd + i] = src[i * lds + j];
+#endif
+}
+// rows src[t * lds + c] -> columns dst[c * ldd + t]
+inline void rows_to_cols(const float* src, int lds, float* dst, int ldd, int D) {
+  for (int c = 0; c < D; c += 8) tr8(src + c, lds, dst + (int64_t)c * ldd, ldd);
+}
+// columns src[c * lds + t] -> rows dst[t * ldd + c]
+inline void cols_to_rows(const float* src, int lds, float* dst, int ldd, int D) {
+  for (int c = 0; c < D; c += 8) tr8(src + (int64_t)c * lds, lds, dst + c, ldd);
+}
+
+// ---- centroid vectors: L floats from a float32 or float16 table -------------------------------
+
+template <int L>
+inline void cent_copy(float* dst, const float* gb, int code) {
+  __builtin_memcpy(dst, gb + code * L, L * sizeof(float));
+}
+template <int L>
+inline void cent_copy(float* dst, const uint16_t* gb, int code) {
+#if TKV_W >= 8
+  const uint16_t* s = gb + code * L;
+  if (L == 8) {
+    _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))));
+  } else if (L == 4) {
+    _mm_storeu_ps(dst, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s))));
+  } else {
+    int32_t w;
+    __builtin_memcpy(&w, s, 4);
+    _mm_storel_pi(reinterpret_cast<__m64*>(dst), _mm_cvtph_ps(_mm_cvtsi32_si128(w)));
+  }
+#else
+  for (int e = 0; e < L; ++e) dst[e] = fp16_to_f32(gb[code * L + e]);
+#endif
+}
+
+// ---- codes -> normalized values of one block (8 tokens, one KV head) ----------------------------
+
+template <int L, class T>
+inline void dec_temporal_cols(const Codec& cd, const T* table, int h, int D, const uint8_t* codes, float* dst,
+                              int ld) {
+  const int G = D / L;
+  const int64_t gstride = (int64_t)cd.kc * L;
+  const T* cb = table + (int64_t)h * G * gstride;
+  for (int j = 0; j < BLOCK / L; ++j) {
+    const uint8_t* row = codes + j * D;
+    const T* gb = cb;
+    for (int c0 = 0; c0 < D; c0 += L, gb += gstride)
+      for (int m = 0; m < L; ++m) cent_copy<L>(dst + (int64_t)(c0 + m) * ld + j * L, gb, row[c0 + m]);
+  }
+}
+
+template <int L, class T>
+inline void dec_channel_rows(const Codec& cd, const T* table, int h, int D, const uint8_t* codes, float* dst,
+                             int ld) {
+  const int G = D / L;
+  const int64_t gstride = (int64_t)cd.kc * L;
+  const T* cb = table + (int64_t)h * G * gstride;
+  for (int t = 0; t < BLOCK; ++t) {
+    const uint8_t* row = codes + t * G;
+    const T* gb = cb;
+    for (int gi = 0; gi < G; ++gi, gb += gstride) cent_copy<L>(dst + (int64_t)t * ld + gi * L, gb, row[gi]);
+  }
+}
+
+// W channels at a time: the W codes are cut out of the packed bits by per-lane shifts, and the
+// value picked from the KC codebook vectors (table [KC][D]) by a tree of selects on the code's bits
+template <int BITS>
+inline void dec_scalar_rows(const Codec& cd, int h, int D, const uint8_t* codes, float* dst, int ld) {
+  constexpr int KC = 1 << BITS;
+  typedef uint32_t vu __attribute__((vector_size(W * 4)));
+  const float* tb = cd.centK + (int64_t)h * KC * D;
+  const int rowb = D * BITS / 8;
+  for (int c0 = 0; c0 < D; c0 += W) {
+    // W * BITS bits from bit c0 * BITS: whole bytes, or (W * BITS = 4) one half of a byte
+    constexpr int NB = W * BITS >= 8 ? W * BITS / 8 : 1;
+    const int bitpos = c0 * BITS, byte = bitpos / 8, boff = bitpos % 8;
+    vi hi, sh;
+    for (int i = 0; i < W; ++i) {
+      const int sb = boff + i * BITS;
+      hi[i] = sb >= 32 ? -1 : 0;
+      sh[i] = sb % 32;
+    }
+    vf T[KC];
+    for (int k = 0; k < KC; ++k) T[k] = vload(tb + (int64_t)k * D + c0);
+    for (int t = 0; t < BLOCK; ++t) {
+      uint32_t w[2] = {0, 0};
+      __builtin_memcpy(w, codes + t * rowb + byte, NB);
+      const vi wv = hi ? (vi{} + (int32_t)w[1]) : (vi{} + (int32_t)w[0]);
+      const vi idx = (vi)((vu)wv >> (vu)sh);
+      vf v[KC];
+      for (int k = 0; k < KC; ++k) v[k] = T[k];
+      for (int b = 0; b < BITS; ++b) {
+        const vi m = ((idx >> b) & 1) != 0;
+        for (int k = 0; k < (KC >> (b + 1)); ++k) v[k] = m ? v[2 * k + 1] : v[2 * k];
+      }
+      vstore(dst + (int64_t)t * ld + c0, v[0]);
+    }
+  }
+}
+
+template <class T>
+inline void dec_native(const Codec& cd, const T* table, int h, int D, const uint8_t* codes, float* dst, int ld) {
+  if (cd.method == TEMPORAL) {
+    switch (cd.chunk) {
+      case 2: dec_temporal_cols<2>(cd, table, h, D, codes, dst, ld); break;
+      case 4: dec_temporal_cols<4>(cd, table, h, D, codes, dst, ld); break;
+      default: dec_temporal_cols<8>(cd, table, h, D, codes, dst, ld); break;
+    }
+  } else if (cd.method == CHANNEL) {
+    switch (cd.chunk) {
+      case 2: dec_channel_rows<2>(cd, table, h, D, codes, dst, ld); break;
+      case 4: dec_channel_rows<4>(cd, table, h, D, codes, dst, ld); break;
+      default: dec_channel_rows<8>(cd, table, h, D, codes, dst, ld); break;
+    }
+  } else {  // scalar codebooks are tiny: always the float32 table
+    switch (cd.bits) {
+      case 4: dec_scalar_rows<4>(cd, h, D, codes, dst, ld); break;
+      case 2: dec_scalar_rows<2>(cd, h, D, codes, dst, ld); break;
+      default: dec_scalar_rows<1>(cd, h, D, codes, dst, ld); break;
+    }
+  }
+}
+
+// normalized values of one block, as rows dst[t * ld + c] or columns dst[c * ld + t]; half: from the
+// float16 tables (attention), else float32 (bit-exact gather)
+inline void decode_block(const Codec& cd, int h, int D, const uint8_t* codes, float* dst, int ld, bool cols,
+                         float* tmp, bool half = false) {
+  const bool native_cols = cd.method == TEMPORAL;
+  float* d = native_cols == cols ? dst : tmp;
+  const int dl = native_cols == cols ? ld : (native_cols ? BLOCK : D);
+  if (half)
+    dec_native(cd, cd.cent16, h, D, codes, d, dl);
+  else
+    dec_native(cd, cd.cent, h, D, codes, d, dl);
+  if (native_cols == cols) return;
+  if (native_cols)
+    cols_to_rows(tmp, BLOCK, dst, ld, D);
+  else
+    rows_to_cols(tmp, D, dst, ld, D);
+}
+
+// ---- fused decode attention ---------------------------------------------------------------------
+
+// s[i][t] = sum_c qr[i][c] * KT[c][t] for GB query heads, t < TILE
+template <int GB>
+inline void qk_tile(const float* qr, int D, const float* KT, float* sc) {
+  for (int t = 0; t < TILE; t += 2 * W) {
+    vf a0[GB], a1[GB];
+    for (int i = 0; i < GB; ++i) a0[i] = a1[i] = vf{};
+    for (int c = 0; c < D; ++c) {
+      const vf k0 = vload(KT + c * TILE + t), k1 = vload(KT + c * TILE + t + W);
+      for (int i = 0; i < GB; ++i) {
+        const vf qb = vbc(qr[i * D + c]);
+        a0[i] = vfma(qb, k0, a0[i]);
+        a1[i] = vfma(qb, k1, a1[i]);
+      }
+    }
+    for (int i = 0; i < GB; ++i) {
+      vstore(sc + i * TILE + t, a0[i]);
+      vstore(sc + i * TILE + t + W, a1[i]);
+    }
+  }
+}
+
+// acc[i][c] += sum_{t < 8} p[i][t] * Z[t][c] for GB query heads
+template <int GB>
+inline void pv_block(float* acc, int astride, const float* p, int pstride, const float* Z, int D) {
+  for (int c = 0; c < D; c += 2 * W) {
+    vf a0[GB], a1[GB];
+    for (int i = 0; i < GB; ++i) {
+      a0[i] = vload(acc + i * astride + c);
+      a1[i] = vload(acc + i * astride + c + W);
+    }
+    for (int t = 0; t < BLOCK; ++t) {
+      const vf z0 = vload(Z + t * D + c), z1 = vload(Z + t * D + c + W);
+      for (int i = 0; i < GB; ++i) {
+        const vf pb = vbc(p[i * pstride + t]);
+        a0[i] = vfma(pb, z0, a0[i]);
+        a1[i] = vfma(pb, z1, a1[i]);
+      }
+    }
+    for (int i = 0; i < GB; ++i) {
+      vstore(acc + i * astride + c, a0[i]);
+      vstore(acc + i * astride + c + W, a1[i]);
+    }
+  }
+}
+
+inline void qk_tile_any(const float* qr, int g, int D, const float* KT, float* sc) {
+  int i = 0;
+  for (; i + 4 <= g; i += 4) qk_tile<4>(qr + i * D, D, KT, sc + i * TILE);
+  switch (g - i) {
+    case 3: qk_tile<3>(qr + i * D, D, KT, sc + i * TILE); break;
+    case 2: qk_tile<2>(qr + i * D, D, KT, sc + i * TILE); break;
+    case 1: qk_tile<1>(qr + i * D, D, KT, sc + i * TILE); break;
+    default: break;
+  }
+}
+
+inline void pv_block_any(float* acc, int astride, const float* p, int g, const float* Z, int D) {
+  int i = 0;
+  for (; i + 4 <= g; i += 4) pv_block<4>(acc + i * astride, astride, p + i * TILE, TILE, Z, D);
+  switch (g - i) {
+    case 3: pv_block<3>(acc + i * astride, astride, p + i * TILE, TILE, Z, D); break;
+    case 2: pv_block<2>(acc + i * astride, astride, p + i * TILE, TILE, Z, D); break;
+    case 1: pv_block<1>(acc + i * astride, astride, p + i * TILE, TILE, Z, D); break;
+    default: break;
+  }
+}
+
+// ---- temporal V: accumulate straight from the centroid vectors ---------------------------------
+// A temporal code holds L consecutive tokens of one channel, so the 8 tokens of a block for channel
+// c are 8/L centroid vectors side by side: one 8-lane vector.  acc8[i][c] (lane = token in block)
+// += p[i][block] * that vector; the lanes are summed once per split.  No decode-to-rows transpose.
+typedef float v8 __attribute__((vector_size(32)));
+inline v8 v8load(const float* p) { v8 v; __builtin_memcpy(&v, p, sizeof v); return v; }
+inline void v8store(float* p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
+inline v8 v8fma(v8 a, v8 b, v8 c) {
+#if TKV_W >= 8
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline v8 v8round(v8 x, int bf16) {  // bf16: 1 bfloat16, 0 float16, 2 no rounding
+  typedef uint32_t u8v __attribute__((vector_size(32)));
+  if (bf16 == 2) return x;
+  if (bf16) {
+    u8v u;
+    __builtin_memcpy(&u, &x, sizeof u);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    __builtin_memcpy(&x, &u, sizeof u);
+    return x;
+  }
+#if TKV_W >= 8
+  return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  for (int i = 0; i < 8; ++i) x[i] = round_half(x[i], 0);
+  return x;
+#endif
+}
+
+template <int L>
+inline v8 tblock(const uint16_t* gb, const uint8_t* codes, int D, int c) {
+#if TKV_W >= 8
+  __m128i x;
+  if (L == 8) {
+    x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + codes[c] * 8));
+  } else if (L == 4) {
+    x = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + codes[c] * 4)),
+                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + codes[D + c] * 4)));
+  } else {
+    int32_t w0, w1, w2, w3;
+    __builtin_memcpy(&w0, gb + codes[c] * 2, 4);
+    __builtin_memcpy(&w1, gb + codes[D + c] * 2, 4);
+    __builtin_memcpy(&w2, gb + codes[2 * D + c] * 2, 4);
+    __builtin_memcpy(&w3, gb + codes[3 * D + c] * 2, 4);
+    x = _mm_setr_epi32(w0, w1, w2, w3);
+  }
+  return _mm256_cvtph_ps(x);
+#else
+  float x[8];
+  for (int j = 0; j < BLOCK / L; ++j)
+    for (int e = 0; e < L; ++e) x[j * L + e] = fp16_to_f32(gb[codes[j * D + c] * L + e]);
+  return v8load(x);
+#endif
+}
+
+// blocks [b0, b1) of a tile whose V codes start at bc[b]; p [GB][TILE]; acc8 [GB][D][8] (stride astride)
+template <int L, int GB>
+inline void pv_temporal(float* acc8, int64_t astride, const float* p, const uint8_t* const* bc, int b0, int b1,
+                        const uint16_t* cb, int64_t gstride, int D, const float* vstd, const float* vmean,
+                        int bf16) {
+  const uint16_t* gb = cb;
+  for (int c0 = 0; c0 < D; c0 += L, gb += gstride) {
+    for (int m = 0; m < L; ++m) {
+      const int c = c0 + m;
+      const v8 sd = v8{} + vstd[c], mn = v8{} + vmean[c];
+      v8 a[GB];
+      for (int i = 0; i < GB; ++i) a[i] = v8load(acc8 + i * astride + c * 8);
+      for (int b = b0; b < b1; ++b) {
+        const v8 x = v8round(tblock<L>(gb, bc[b], D, c) * sd + mn, bf16);
+        for (int i = 0; i < GB; ++i) a[i] = v8fma(v8load(p + i * TILE + b * BLOCK), x, a[i]);
+      }
+      for (int i = 0; i < GB; ++i) v8store(acc8 + i * astride + c * 8, a[i]);
+    }
+  }
+}
+
+template <int L>
+inline void pv_temporal_any(float* acc8, int g, int D, const float* p, const uint8_t* const* bc, int b0, int b1,
+                            const uint16_t* cb, int64_t gstride, const float* vstd, const float* vmean, int bf16) {
+  const int64_t as = (int64_t)D * 8;
+  int i = 0;
+  for (; i + 4 <= g; i += 4)
+    pv_temporal<L, 4>(acc8 + i * as, as, p + i * TILE, bc, b0, b1, cb, gstride, D, vstd, vmean, bf16);
+  switch (g - i) {
+    case 3: pv_temporal<L, 3>(acc8 + i * as, as, p + i * TILE, bc, b0, b1, cb, gstride, D, vstd, vmean, bf16); break;
+    case 2: pv_temporal<L, 2>(acc8 + i * as, as, p + i * TILE, bc, b0, b1, cb, gstride, D, vstd, vmean, bf16); break;
+    case 1: pv_temporal<L, 1>(acc8 + i * as, as, p + i * TILE, bc, b0, b1, cb, gstride, D, vstd, vmean, bf16); break;
+    default: break;
+  }
+}
+
+// temporal K of one block straight into the tile's columns: dst[c * TILE + t], from the float16 table
+template <int L>
+inline void dec_temporal_kt(const Codec& cd, int h, int D, const uint8_t* codes, float* dst) {
+  const int64_t gstride = (int64_t)cd.kc * L;
+  const uint16_t* gb = cd.cent16 + (int64_t)h * (D / L) * gstride;
+  for (int c0 = 0; c0 < D; c0 += L, gb += gstride)
+    for (int m = 0; m < L; ++m) v8store(dst + (c0 + m) * TILE, tblock<L>(gb, codes, D, c0 + m));
+}
+
+// Partial state per query head in DecodeArgs::part: [m, lz, lx, pad, accz[D], accx[D]]: running max,
+// then softmax weights and weighted V sums.  Every V row is accumulated in raw space (accx, lx; decoded
+// rows rounded to the model dtype when exact); the normalized-space pair (accz, lz) is merged as
+// (accz*std + lz*mean + accx) / (lz + lx) and stays 0 here.
+inline void rescale(float* st, int D, float alpha) {
+  st[1] *= alpha;
+  st[2] *= alpha;
+  const vf a = vbc(alpha);
+  for (int c = 0; c < 2 * D; c += W) vstore(st + 4 + c, vload(st + 4 + c) * a);
+}
+
+template <int DT>
+void decode_item_t(const DecodeArgs& a, int64_t item) {
+  const Layout& L = a.lay;
+  const int D = DT ? DT : L.D;
+  const int H = L.H, g = a.g, S = a.S, HD = D / 2;
+  const int s = (int)(item % S);
+  const int64_t rh = item / S;
+  const int h = (int)(rh % H);
+  const int r = (int)(rh / H);
+  const int stride = 4 + 2 * D;
+  float* part = a.part + item * g * stride;
+  for (int i = 0; i < g; ++i) {
+    float* st = part + i * stride;
+    st[0] = -__builtin_inff();
+    st[1] = st[2] = st[3] = 0.f;
+    for (int c = 0; c < 2 * D; ++c) st[4 + c] = 0.f;
+  }
+  const int n = a.seq_lens[r];
+  if (n <= 0) return;
+  const int p = n - 1;                   // the query's position
+  const int cend = p / BLOCK * BLOCK;    // decoded blocks: [SINKS, cend); the own block is exact
+  const int32_t* btr = a.bt + (int64_t)r * a.bt_stride;
+  const float* q = a.q + ((int64_t)r * a.Hq + (int64_t)h * g) * D;
+  const int64_t hd = (int64_t)h * D;
+  const int bs = L.block_size;
+
+  alignas(64) float KT[MAX_D * TILE];      // decoded keys of a tile, [D][TILE]
+  alignas(64) float Z[BLOCK * MAX_D];      // decoded, normalized values of one block, [8][D]
+  alignas(64) float tmp[BLOCK * MAX_D];
+  float* qr = static_cast<float*>(__builtin_alloca(sizeof(float) * g * D));   // rotated queries
+  float* sc = static_cast<float*>(__builtin_alloca(sizeof(float) * g * TILE));  // scores / weights
+
+  const bool vtemp = a.v.method == TEMPORAL;  // V accumulated per lane straight from the centroids
+  float* acc8 = nullptr;
+  if (vtemp) {
+    acc8 = static_cast<float*>(__builtin_malloc(sizeof(float) * g * D * 8));
+    for (int64_t i = 0; i < (int64_t)g * D * 8; ++i) acc8[i] = 0.f;
+  }
+
+  for (int i = 0; i < g * D; ++i) qr[i] = q[i] * a.scale;
+  const int rmode = a.exact ? L.bf16 : 2;  // rounding of decoded K/V to the model dtype
+
+  if (s == 0) {  // exact tokens: sinks, the own block's earlier tokens (the tail), the new token
+    alignas(64) float ek[2 * BLOCK * MAX_D], ev[2 * BLOCK * MAX_D];
+    int ne = 0;
+    const int nsink = p < SINKS ? p : SINKS;
+    const uint8_t* rec0 = record(a.pages, L, btr[0], h);
+    for (int j = 0; j < nsink; ++j, ++ne) {
+      const uint16_t* kr = region_row(rec0, L, j, 0);
+      const uint16_t* vr = region_row(rec0, L, j, 1);
+      for (int c = 0; c < D; ++c) {
+        ek[ne * D + c] = h2f(kr[c], L.bf16);
+        ev[ne * D + c] = h2f(vr[c], L.bf16);
+      }
+    }
+    if (p >= SINKS && p > cend) {
+      const uint8_t* rect = record(a.pages, L, btr[cend / bs], h);
+      for (int t = cend; t < p; ++t, ++ne) {
+        const uint16_t* kr = region_row(rect, L, TAIL0 + (t - cend), 0);
+        const uint16_t* vr = region_row(rect, L, TAIL0 + (t - cend), 1);
+        for (int c = 0; c < D; ++c) {
+          ek[ne * D + c] = h2f(kr[c], L.bf16);
+          ev[ne * D + c] = h2f(vr[c], L.bf16);
+        }
+      }
+    }
+    const float* kn = a.knew + ((int64_t)r * H + h) * D;
+    const float* vn = a.vnew + ((int64_t)r * H + h) * D;
+    for (int c = 0; c < D; ++c) {
+      ek[ne * D + c] = kn[c];
+      ev[ne * D + c] = vn[c];
+    }
+    ++ne;
+    float es[2 * BLOCK];
+    for (int i = 0; i < g; ++i) {
+      float* st = part + i * stride;
+      const float* qi = q + i * D;
+      float m = -__builtin_inff();
+      for (int j = 0; j < ne; ++j) {
+        vf acc = vf{};
+        for (int c = 0; c < D; c += W) acc = vfma(vload(qi + c), vload(ek + j * D + c), acc);
+        es[j] = hsum(acc) * a.scale;
+        m = es[j] > m ? es[j] : m;
+      }
+      float l = 0.f;
+      float* ax = st + 4 + D;
+      for (int j = 0; j < ne; ++j) {
+        const float w = __builtin_expf(es[j] - m);
+        l += w;
+        const vf wb = vbc(w);
+        for (int c = 0; c < D; c += W) vstore(ax + c, vfma(wb, vload(ev + j * D + c), vload(ax + c)));
+      }
+      st[0] = m;
+      st[2] = l;
+    }
+  }
+
+  const int n_tiles = cend > SINKS ? (cend + TILE - 1) / TILE : 0;
+  const int t_lo = s * a.tiles_per_split;
+  const int t_hi = t_lo + a.tiles_per_split < n_tiles ? t_lo + a.tiles_per_split : n_tiles;
+  const Codec& K = a.k;
+  const Codec& V = a.v;
+  const float* kstd = K.std + hd;
+  const float* kmean = K.mean + hd;
+  const float* kinv = K.inv_std + hd;
+  const float* vmean = V.mean + hd;
+  const float* vstd = V.std + hd;
+  for (int tile = t_lo; tile < t_hi; ++tile) {
+    const int t0 = tile * TILE;
+    const int v0 = (t0 > SINKS ? t0 : SINKS) - t0;             // valid columns [v0, v1)
+    const int v1 = (t0 + TILE < cend ? t0 + TILE : cend) - t0;
+    // K: decode the tile's blocks into columns, denormalize, outliers, rotate by the offset
+    for (int b = 0; b < TILE / BLOCK; ++b) {
+      const int c0 = b * BLOCK;
+      if (c0 < v0 || c0 >= v1) {
+        for (int c = 0; c < D; ++c)
+          for (int t = 0; t < BLOCK; ++t) KT[c * TILE + c0 + t] = 0.f;
+        continue;
+      }
+      const int tok = t0 + c0;
+      const uint8_t* rec = record(a.pages, L, btr[tok / bs], h);
+      const int slot = (tok % bs) / BLOCK;
+      const uint8_t* kc = rec + K.codes_off + (int64_t)slot * K.code_bytes;
+      if (K.method == TEMPORAL) {
+        switch (K.chunk) {
+          case 2: dec_temporal_kt<2>(K, h, D, kc, KT + c0); break;
+          case 4: dec_temporal_kt<4>(K, h, D, kc, KT + c0); break;
+          default: dec_temporal_kt<8>(K, h, D, kc, KT + c0); break;
+        }
+      } else {
+        decode_block(K, h, D, kc, KT + c0, TILE, true, tmp, true);
+      }
+    }
+    if (L.cap > 0) {  // outliers: exact values, normalized here (denormalized with the rest below)
+      for (int b = v0 / BLOCK; b < v1 / BLOCK; ++b) {
+        const int tok = t0 + b * BLOCK;
+        const uint8_t* rec = record(a.pages, L, btr[tok / bs], h);
+        const int slot = (tok % bs) / BLOCK;
+        const int16_t* oi = reinterpret_cast<const int16_t*>(rec + K.idx_off) + slot * L.cap;
+        const uint16_t* ov = reinterpret_cast<const uint16_t*>(rec + K.val_off) + slot * L.cap;
+        for (int o = 0; o < L.cap; ++o) {
+          const int f = oi[o];
+          if (f >= 0) {
+            const int c = f % D;
+            KT[c * TILE + b * BLOCK + f / D] = (h2f(ov[o], L.bf16) - kmean[c]) * kinv[c];
+          }
+        }
+      }
+    }
+    if (a.exact) {
+    for (int c = 0; c < HD; ++c) {  // denormalize, RoPE at each key's position, model dtype: as torch
+      float* x0 = KT + c * TILE;
+      float* x1 = KT + (c + HD) * TILE;
+      const float* C = a.cosT + c * a.P + t0;
+      const float* Sn = a.sinT + c * a.P + t0;
+      const vf sd0 = vbc(kstd[c]), mn0 = vbc(kmean[c]), sd1 = vbc(kstd[c + HD]), mn1 = vbc(kmean[c + HD]);
+      for (int t = 0; t < TILE; t += W) {
+        // z * std + mean, then x * cos + rotate_half(x) * sin: each product rounded, no FMA (the
+        // torch path's float32 ops), then rounded to the model dtype: the torch path's decoded keys
+        const vf k0 = vload(x0 + t) * sd0 + mn0, k1 = vload(x1 + t) * sd1 + mn1;
+        const vf cc = vload(C + t), ss = vload(Sn + t);
+        vstore(x0 + t, vround(k0 * cc + (-k1) * ss, L.bf16));
+        vstore(x1 + t, vround(k1 * cc + k0 * ss, L.bf16));
+      }
+    }
+    } else {  // faster: rotate by the offset in the tile only; the queries are rotated back by t0
+      const float* C = a.tcos + (int64_t)tile * HD;
+      const float* Sn = a.tsin + (int64_t)tile * HD;
+      const vf irs = vbc(a.inv_rope_scale), sc_ = vbc(a.scale);
+      for (int i = 0; i < g; ++i) {
+        const float* qi = q + i * D;
+        float* o = qr + i * D;
+        for (int c = 0; c < HD; c += W) {
+          const vf cc = vload(C + c) * irs, ss = vload(Sn + c) * irs;
+          const vf q0 = vload(qi + c), q1 = vload(qi + c + HD);
+          vstore(o + c, vfma(q0, cc, q1 * ss) * sc_);
+          vstore(o + c + HD, vfma(q1, cc, -(q0 * ss)) * sc_);
+        }
+      }
+      for (int c = 0; c < HD; ++c) {
+        float* x0 = KT + c * TILE;
+        float* x1 = KT + (c + HD) * TILE;
+        const float* dc = a.dcos + c * TILE;
+        const float* ds = a.dsin + c * TILE;
+        const vf sd0 = vbc(kstd[c]), mn0 = vbc(kmean[c]), sd1 = vbc(kstd[c + HD]), mn1 = vbc(kmean[c + HD]);
+        for (int t = 0; t < TILE; t += W) {
+          const vf k0 = vfma(vload(x0 + t), sd0, mn0), k1 = vfma(vload(x1 + t), sd1, mn1);
+          const vf cc = vload(dc + t), ss = vload(ds + t);
+          vstore(x0 + t, vfma(k0, cc, -(k1 * ss)));
+          vstore(x1 + t, vfma(k1, cc, k0 * ss));
+        }
+      }
+    }
+    // scores, online softmax
+    qk_tile_any(qr, g, D, KT, sc);
+    for (int i = 0; i < g; ++i) {
+      float* st = part + i * stride;
+      float* si = sc + i * TILE;
+      float mt = -__builtin_inff();
+      for (int t = v0; t < v1; ++t) mt = si[t] > mt ? si[t] : mt;
+      if (mt > st[0]) {
+        if (st[0] != -__builtin_inff()) {
+          const float alpha = __builtin_expf(st[0] - mt);
+          rescale(st, D, alpha);
+          if (vtemp) {
+            float* a8 = acc8 + (int64_t)i * D * 8;
+            const vf al = vbc(alpha);
+            for (int c = 0; c < D * 8; c += W) vstore(a8 + c, vload(a8 + c) * al);
+          }
+        }
+        st[0] = mt;
+      }
+      const vf mb = vbc(st[0]);
+      for (int t = 0; t < TILE; t += W) vstore(si + t, vexp(vload(si + t) - mb));
+      float l = 0.f;
+      for (int t = 0; t < TILE; ++t) {
+        if (t < v0 || t >= v1) si[t] = 0.f;
+        l += si[t];
+      }
+      st[2] += l;  // decoded V is accumulated in raw space (rounded to the model dtype)
+    }
+    // V
+    if (vtemp) {
+      const uint8_t* bc[TILE / BLOCK];
+      for (int b = v0 / BLOCK; b < v1 / BLOCK; ++b) {
+        const int tok = t0 + b * BLOCK;
+        bc[b] = record(a.pages, L, btr[tok / bs], h) + V.codes_off + (int64_t)((tok % bs) / BLOCK) * V.code_bytes;
+      }
+      const int64_t gstride = (int64_t)V.kc * V.chunk;
+      const uint16_t* cb = V.cent16 + hd * V.kc;  // h * (D / l) groups * kc * l values
+      switch (V.chunk) {
+        case 2: pv_temporal_any<2>(acc8, g, D, sc, bc, v0 / BLOCK, v1 / BLOCK, cb, gstride, vstd, vmean, rmode); break;
+        case 4: pv_temporal_any<4>(acc8, g, D, sc, bc, v0 / BLOCK, v1 / BLOCK, cb, gstride, vstd, vmean, rmode); break;
+        default: pv_temporal_any<8>(acc8, g, D, sc, bc, v0 / BLOCK, v1 / BLOCK, cb, gstride, vstd, vmean, rmode); break;
+      }
+      if (L.cap > 0) {  // exact outliers: correct the accumulated decoded value
+        for (int b = v0 / BLOCK; b < v1 / BLOCK; ++b) {
+          const int tok = t0 + b * BLOCK;
+          const uint8_t* rec = record(a.pages, L, btr[tok / bs], h);
+          const int slot = (tok % bs) / BLOCK;
+          const int16_t* oi = reinterpret_cast<const int16_t*>(rec + V.idx_off) + slot * L.cap;
+          const uint16_t* ov = reinterpret_cast<const uint16_t*>(rec + V.val_off) + slot * L.cap;
+          for (int o = 0; o < L.cap; ++o) {
+            const int f = oi[o];
+            if (f < 0) continue;
+            const int t = f / D, c = f % D, l = V.chunk;
+            const float zd = fp16_to_f32(cb[(c / l) * gstride + bc[b][(t / l) * D + c] * l + t % l]);
+            const float zx = zd * vstd[c] + vmean[c];
+            const float dz = h2f(ov[o], L.bf16) - (a.exact ? round_half(zx, L.bf16) : zx);
+            for (int i = 0; i < g; ++i) acc8[((int64_t)i * D + c) * 8 + t] += sc[i * TILE + b * BLOCK + t] * dz;
+          }
+        }
+      }
+      continue;
+    }
+    // V: decode each block once (normalized), accumulate for all query heads
+    for (int b = v0 / BLOCK; b < v1 / BLOCK; ++b) {
+      const int tok = t0 + b * BLOCK;
+      const uint8_t* rec = record(a.pages, L, btr[tok / bs], h);
+      const int slot = (tok % bs) / BLOCK;
+      decode_block(V, h, D, rec + V.codes_off + (int64_t)slot * V.code_bytes, Z, D, false, tmp, true);
+      for (int t = 0; t < BLOCK; ++t)  // z * std + mean (two roundings, as torch), model dtype
+        for (int c = 0; c < D; c += W)
+          vstore(Z + t * D + c, vround(vload(Z + t * D + c) * vload(vstd + c) + vload(vmean + c), rmode));
+      if (L.cap > 0) {
+        const int16_t* oi = reinterpret_cast<const int16_t*>(rec + V.idx_off) + slot * L.cap;
+        const uint16_t* ov = reinterpret_cast<const uint16_t*>(rec + V.val_off) + slot * L.cap;
+        for (int o = 0; o < L.cap; ++o)
+          if (oi[o] >= 0) Z[oi[o]] = h2f(ov[o], L.bf16);
+      }
+      pv_block_any(part + 4 + D, stride, sc + b * BLOCK, g, Z, D);
+    }
+  }
+  if (vtemp) {
+    for (int i = 0; i < g; ++i) {
+      float* az = part + i * stride + 4 + D;  // raw space
+      for (int c = 0; c < D; ++c) {
+        const float* x = acc8 + ((int64_t)i * D + c) * 8;
+        az[c] += ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+      }
+    }
+    __builtin_free(acc8);
+  }
+}
+
+void decode_item(const DecodeArgs& a, int64_t item) {
+  switch (a.lay.D) {
+    case 64: decode_item_t<64>(a, item); break;
+    case 128: decode_item_t<128>(a, item); break;
+    default: decode_item_t<0>(a, item); break;
+  }
+}
+
+void decode_merge(const DecodeArgs& a, int64_t rh) {
+  const int D = a.lay.D, H = a.lay.H, g = a.g, S = a.S;
+  const int h = (int)(rh % H);
+  const int64_t r = rh / H;
+  const int stride = 4 + 2 * D;
+  const float* vstd = a.v.std + (int64_t)h * D;
+  const float* vmean = a.v.mean + (int64_t)h * D;
+  for (int i = 0; i < g; ++i) {
+    float M = -__builtin_inff();
+    for (int s = 0; s < S; ++s) {
+      const float m = a.part[((rh * S + s) * g + i) * stride];
+      M = m > M ? m : M;
+    }
+    float* o = a.out + (r * a.Hq + (int64_t)h * g + i) * D;
+    float lz = 0.f, lx = 0.f;
+    for (int c = 0; c < D; ++c) o[c] = 0.f;
+    alignas(64) float az[MAX_D];
+    for (int c = 0; c < D; ++c) az[c] = 0.f;
+    for (int s = 0; s < S; ++s) {
+      const float* st = a.part + ((rh * S + s) * g + i) * stride;
+      if (st[0] == -__builtin_inff()) continue;
+      const float w = __builtin_expf(st[0] - M);
+      lz += w * st[1];
+      lx += w * st[2];
+      for (int c = 0; c < D; ++c) {
+        az[c] += w * st[4 + c];
+        o[c] += w * st[4 + D + c];
+      }
+    }
+    const float inv = 1.f / (lz + lx);
+    for (int c = 0; c < D; ++c) o[c] = (az[c] * vstd[c] + lz * vmean[c] + o[c]) * inv;
+  }
+}
+
+// ---- gather: one decoded block, bit-identical to paged_torch.gather_kv --------------------------
+
+void gather_block(const GatherArgs& a, int64_t item) {
+  const Layout& L = a.lay;
+  const int H = L.H, D = L.D, HD = D / 2;
+  const int h = (int)(item % H);
+  const int64_t bi = item / H + 1;
+  const int64_t tok0 = bi * BLOCK;
+  const uint8_t* rec = record(a.pages, L, a.bt[tok0 / L.block_size], h);
+  const int slot = (int)((tok0 % L.block_size) / BLOCK);
+  const int64_t hd = (int64_t)h * D;
+  alignas(64) float X[BLOCK * MAX_D], tmp[BLOCK * MAX_D], Y[MAX_D];
+  for (int kind = 0; kind < 2; ++kind) {
+    const Codec& cd = kind ? a.v : a.k;
+    decode_block(cd, h, D, rec + cd.codes_off + (int64_t)slot * cd.code_bytes, X, D, false, tmp);
+    const float* sd = cd.std + hd;
+    const float* mn = cd.mean + hd;
+    for (int t = 0; t < BLOCK; ++t)
+      for (int c = 0; c < D; c += W) {
+        vf x = vload(X + t * D + c) * vload(sd + c);  // z * std, then + mean: two roundings (torch)
+        vstore(X + t * D + c, x + vload(mn + c));
+      }
+    if (L.cap > 0) {
+      const int16_t* oi = reinterpret_cast<const int16_t*>(rec + cd.idx_off) + slot * L.cap;
+      const uint16_t* ov = reinterpret_cast<const uint16_t*>(rec + cd.val_off) + slot * L.cap;
+      for (int o = 0; o < L.cap; ++o)
+        if (oi[o] >= 0) X[oi[o]] = h2f(ov[o], L.bf16);
+    }
+    uint16_t* out = (kind ? a.vout : a.kout);
+    for (int t = 0; t < BLOCK; ++t) {
+      float* x = X + t * D;
+      if (kind == 0) {  // x * cos + rotate_half(x) * sin, as Rope.apply
+        const float* C = a.cos + (tok0 + t) * HD;  // cos/sin of channel c + D/2 equal those of c
+        const float* Sn = a.sin + (tok0 + t) * HD;
+        for (int c = 0; c < HD; c += W) {
+          const vf x0 = vload(x + c), x1 = vload(x + c + HD), cc = vload(C + c), ss = vload(Sn + c);
+          vstore(Y + c, x0 * cc + (-x1) * ss);
+          vstore(Y + c + HD, x1 * cc + x0 * ss);
+        }
+        x = Y;
+      }
+      uint16_t* o = out + ((tok0 + t) * H + h) * D;
+      for (int c = 0; c < D; ++c) o[c] = f2h(x[c], L.bf16);
+    }
+  }
+}
+
+// ---- encode: nearest centroid (the codec contract) and whole blocks -----------------------------
+
+// index of the nearest of K centroids CT [v][K] (transposed) to u [v]: squared distance summed in
+// order over the v floats without FMA, ties to the lowest index
+inline int nearest1(const float* u, const float* CT, int K, int v) {
+  if (K % W) {
+    int best = 0;
+    float bd = __builtin_inff();
+    for (int k = 0; k < K; ++k) {
+      float t = u[0] - CT[k];
+      float d = t * t;
+      for (int e = 1; e < v; ++e) {
+        t = u[e] - CT[e * K + k];
+        d = d + t * t;
+      }
+      if (d < bd) { bd = d; best = k; }
+    }
+    return best;
+  }
+  vi lane;
+  for (int i = 0; i < W; ++i) lane[i] = i;
+  vf bv = vbc(__builtin_inff());
+  vi bi = vi{};
+  for (int k0 = 0; k0 < K; k0 += W) {
+    vf t = vbc(u[0]) - vload(CT + k0);
+    vf d = t * t;
+    for (int e = 1; e < v; ++e) {
+      t = vbc(u[e]) - vload(CT + e * K + k0);
+      d = d + t * t;
+    }
+    const vi lt = d < bv;
+    bv = lt ? d : bv;
+    bi = lt ? lane + k0 : bi;
+  }
+  float bd = bv[0];
+  int best = bi[0];
+  for (int i = 1; i < W; ++i)
+    if (bv[i] < bd || (bv[i] == bd && bi[i] < best)) { bd = bv[i]; best = bi[i]; }
+  return best;
+}
+
+void nearest_rows(const float* vecs, const float* centT, int64_t* out, int64_t n, int K, int v) {
+  for (int64_t i = 0; i < n; ++i) out[i] = nearest1(vecs + i * v, centT, K, v);
+}
+
+// X [8][D]: raw values of one block (keys pre-RoPE), float32 of the model dtype.  Writes codes
+// (and outliers) of block `slot` of record `rec`, as KVQuantizer.encode + pack_block_codes.
+inline void encode_rows(const Codec& cd, const Layout& L, int h, float* X, uint8_t* rec, int slot) {
+  const int D = L.D, N = BLOCK * D;
+  const int64_t hd = (int64_t)h * D;
+  const float* lo = cd.lo + hd;
+  const float* hi = cd.hi + hd;
+  const float* mean = cd.mean + hd;
+  const float* inv = cd.inv_std + hd;
+  if (L.cap > 0) {  // split_outliers: the cap largest excesses (std units), ties to the lower index
+    int cand[BLOCK * MAX_D];
+    float cex[BLOCK * MAX_D];
+    int nc = 0;
+    for (int f = 0; f < N; ++f) {
+      const int c = f % D;
+      const float x = X[f];
+      const float a = lo[c] - x, b = x - hi[c];
+      float e = a > b ? a : b;  // torch.maximum
+      e = e < 0.f ? 0.f : e;    // clamp_min(0)
+      e = e * inv[c];
+      if (e > 0.f) { cand[nc] = f; cex[nc] = e; ++nc; }
+    }
+    int16_t* oi = reinterpret_cast<int16_t*>(rec + cd.idx_off) + slot * L.cap;
+    uint16_t* ov = reinterpret_cast<uint16_t*>(rec + cd.val_off) + slot * L.cap;
+    for (int o = 0; o < L.cap; ++o) {
+      int bj = -1;
+      for (int j = 0; j < nc; ++j)
+        if (cex[j] >= 0.f && (bj < 0 || cex[j] > cex[bj])) bj = j;  // first max = lowest index
+      if (bj < 0) {
+        oi[o] = -1;
+        ov[o] = 0;
+      } else {
+        oi[o] = (int16_t)cand[bj];
+        ov[o] = f2h(X[cand[bj]], L.bf16);
+        cex[bj] = -1.f;
+      }
+    }
+    for (int f = 0; f < N; ++f) {  // clamp every value to its thresholds
+      const int c = f % D;
+      float x = X[f];
+      x = x > lo[c] ? x : lo[c];  // torch.maximum(x, lo)
+      x = x < hi[c] ? x : hi[c];  // torch.minimum(., hi)
+      X[f] = x;
+    }
+  }
+  for (int t = 0; t < BLOCK; ++t)
+    for (int c = 0; c < D; c += W) {
+      const vf d = vload(X + t * D + c) - vload(mean + c);
+      vstore(X + t * D + c, d * vload(inv + c));
+    }
+  uint8_t* out = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
+  if (cd.method == SCALAR) {
+    const int bits = cd.bits, per = 8 / bits, KC = cd.kc;
+    for (int i = 0; i < cd.code_bytes; ++i) out[i] = 0;
+    for (int c = 0; c < D; ++c) {
+      const float* cb = cd.cent + (hd + c) * KC;
+      for (int t = 0; t < BLOCK; ++t) {
+        const float u = X[t * D + c];
+        int best = 0;
+        float bd = __builtin_inff();
+        for (int k = 0; k < KC; ++k) {
+          const float dd = u - cb[k];
+          const float d = dd * dd;
+          if (d < bd) { bd = d; best = k; }
+        }
+        out[t * (D / per) + c / per] |= (uint8_t)(best << ((c % per) * bits));
+      }
+    }
+    return;
+  }
+  const int l = cd.chunk, G = D / l, KC = cd.kc;
+  float u[8];
+  for (int gi = 0; gi < G; ++gi) {
+    const float* CT = cd.centT + ((int64_t)h * G + gi) * l * KC;
+    for (int nv = 0; nv < BLOCK; ++nv) {
+      int off;
+      if (cd.method == TEMPORAL) {  // vector: tokens j*l .. j*l+l-1 of channel gi*l + m
+        const int j = nv / l, m = nv % l;
+        for (int e = 0; e < l; ++e) u[e] = X[(j * l + e) * D + gi * l + m];
+        off = j * D + gi * l + m;
+      } else {  // vector: channels gi*l .. gi*l+l-1 of token nv
+        for (int e = 0; e < l; ++e) u[e] = X[nv * D + gi * l + e];
+        off = nv * G + gi;
+      }
+      out[off] = (uint8_t)nearest1(u, CT, KC, l);
+    }
+  }
+}
+
+// One (block-completing token, KV head): the block's 8 rows from this call's input or the page's
+// tail slots, keys un-rotated and rounded to the model dtype, then K and V encoded.
+void encode_item(const EncodeArgs& a, int64_t item) {
+  const Layout& L = a.lay;
+  const int H = L.H, D = L.D, HD = D / 2;
+  const int h = (int)(item % H);
+  const int64_t e = a.ends[item / H];
+  const int64_t pe = a.pos[e], pg = a.pid[e];
+  uint8_t* rec = a.pages + (pg * H + h) * L.rec_bytes;
+  const int slot = (int)((pe % L.block_size) / BLOCK);
+  alignas(64) float X[BLOCK * MAX_D], Y[MAX_D];
+  for (int kind = 0; kind < 2; ++kind) {
+    for (int r = 0; r < BLOCK; ++r) {
+      const int64_t src = e - (BLOCK - 1) + r;
+      const int64_t pr = pe - (BLOCK - 1) + r;
+      const bool ok = src >= 0 && a.pid[src] == pg && a.pos[src] == pr;
+      const uint16_t* row = ok ? (kind ? a.vh : a.kh) + (src * H + h) * D : region_row(rec, L, TAIL0 + r, kind);
+      float* x = X + r * D;
+      for (int c = 0; c < D; ++c) x[c] = h2f(row[c], L.bf16);
+      if (kind == 0) {  // Rope.invert: (x * cos - rotate_half(x) * sin) / scale**2, then the model dtype
+        const float* C = a.cos + pr * HD;  // cos/sin of channel c + D/2 equal those of c
+        const float* Sn = a.sin + pr * HD;
+        for (int c = 0; c < D; ++c) {
+          const float rot = c < HD ? -x[c + HD] : x[c - HD];
+          const float m1 = x[c] * C[c % HD];
+          const float m2 = rot * Sn[c % HD];
+          Y[c] = (m1 - m2) / a.s2;
+        }
+        for (int c = 0; c < D; ++c) x[c] = round_half(Y[c], L.bf16);
+      }
+    }
+    encode_rows(kind ? a.v : a.k, L, h, X, rec, slot);
+  }
+}
+
+}  // namespace
+
+extern const Kernels kernels;
+const Kernels kernels = {
+    TKV_ISA_NAME, decode_item, decode_merge, gather_block, encode_item, nearest_rows,
+};
+
+}  // namespace TKV_ISA
+}  // namespace tkv

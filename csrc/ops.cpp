@@ -1,0 +1,412 @@
+// Torch bindings of the CPU kernels (module vllm_temporalkv._C_cpu).  Argument checks, the
+// run-time ISA choice, and the parallel loops (torch's own thread pool, dynamically scheduled);
+// the arithmetic lives in kernels_impl.h, compiled once per ISA (isa_*.cpp).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace tkv {
+namespace {
+
+bool cpu_has(const std::string& isa) {
+#ifdef TKV_X86
+  __builtin_cpu_init();
+  if (isa == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
+                              __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                            __builtin_cpu_supports("f16c");
+#endif
+  return isa == "scalar";
+}
+
+const Kernels* by_name(const std::string& isa) {
+#ifdef TKV_X86
+  if (isa == "avx512") return &avx512::kernels;
+  if (isa == "avx2") return &avx2::kernels;
+#endif
+  if (isa == "scalar") return &scalar::kernels;
+  return nullptr;
+}
+
+const Kernels* best() {
+  for (const char* n : {"avx512", "avx2", "scalar"})
+    if (cpu_has(n)) return by_name(n);
+  return &scalar::kernels;
+}
+
+// VLLM_TEMPORALKV_CPU_ISA=avx512|avx2|scalar forces a variant (if the CPU has it)
+const Kernels* initial() {
+  const char* env = std::getenv("VLLM_TEMPORALKV_CPU_ISA");
+  if (env && *env && by_name(env) && cpu_has(env)) return by_name(env);
+  return best();
+}
+
+const Kernels* g_kernels = initial();
+
+template <class F>
+void parallel_items(int64_t n, const F& f) {
+  if (n <= 0) return;
+  const int nt = at::get_num_threads();
+  if (nt <= 1 || n == 1 || at::in_parallel_region()) {
+    for (int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      int64_t i;
+      while ((i = next.fetch_add(1, std::memory_order_relaxed)) < n) f(i);
+    }
+  });
+}
+
+void check_f32(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), what,
+              " must be a contiguous float32 CPU tensor");
+}
+
+Layout make_layout(const std::vector<int64_t>& li) {
+  TORCH_CHECK(li.size() == 6, "layout: [H, D, block_size, cap, rec_bytes, bf16]");
+  Layout L;
+  L.H = (int)li[0];
+  L.D = (int)li[1];
+  L.block_size = (int)li[2];
+  L.cap = (int)li[3];
+  L.rec_bytes = li[4];
+  L.bf16 = (int)li[5];
+  TORCH_CHECK(L.D % 32 == 0 && L.D <= MAX_D, "head_dim must be a multiple of 32 and <= ", MAX_D);
+  TORCH_CHECK(L.block_size % BLOCK == 0 && L.block_size >= 2 * BLOCK, "bad block size");
+  TORCH_CHECK(L.cap <= 4 * L.D, "bad outlier cap");
+  return L;
+}
+
+Codec make_codec(const std::vector<at::Tensor>& ct, const std::vector<int64_t>& ci, const Layout& L) {
+  TORCH_CHECK(ct.size() == 9, "codec tensors: [cent, centT, mean, std, inv_std, lo, hi, cent16, centK]");
+  TORCH_CHECK(ci.size() == 8, "codec ints: [method, chunk, bits, kc, code_bytes, codes_off, idx_off, val_off]");
+  for (int i = 0; i < 7; ++i) check_f32(ct[i], "codec tensor");
+  TORCH_CHECK(ct[7].scalar_type() == at::kHalf && ct[7].is_contiguous() && ct[7].numel() == ct[0].numel(),
+              "cent16: the centroids in float16");
+  Codec c;
+  c.method = (int)ci[0];
+  c.chunk = (int)ci[1];
+  c.bits = (int)ci[2];
+  c.kc = (int)ci[3];
+  c.code_bytes = (int)ci[4];
+  c.codes_off = ci[5];
+  c.idx_off = ci[6];
+  c.val_off = ci[7];
+  const int64_t D = L.D, H = L.H;
+  TORCH_CHECK(c.method >= 0 && c.method <= 2, "bad method");
+  if (c.method == SCALAR) {
+    TORCH_CHECK((c.bits == 1 || c.bits == 2 || c.bits == 4) && c.kc == (1 << c.bits) && c.chunk == 1,
+                "scalar codec: bits 1/2/4 and 2**bits centroids");
+    TORCH_CHECK(c.code_bytes == BLOCK * D * c.bits / 8, "bad code_bytes");
+  } else {
+    TORCH_CHECK((c.chunk == 2 || c.chunk == 4 || c.chunk == 8) && c.bits == 8 && c.kc >= 1 && c.kc <= 256,
+                "vector codec: chunk 2/4/8, <= 256 centroids");
+    TORCH_CHECK(c.code_bytes == BLOCK * D / c.chunk, "bad code_bytes");
+  }
+  const int64_t v = c.method == SCALAR ? 1 : c.chunk;
+  const int64_t G = D / v;
+  TORCH_CHECK(ct[0].numel() == H * G * c.kc * v && ct[1].numel() == H * G * c.kc * v, "bad centroid shape");
+  for (int i = 2; i < 7; ++i) TORCH_CHECK(ct[i].numel() == H * D, "bad stats shape");
+  TORCH_CHECK(c.codes_off + (L.block_size / BLOCK) * c.code_bytes <= L.rec_bytes, "codes past the record");
+  if (L.cap > 0)
+    TORCH_CHECK(c.idx_off + (L.block_size / BLOCK) * L.cap * 2 <= L.rec_bytes &&
+                    c.val_off + (L.block_size / BLOCK) * L.cap * 2 <= L.rec_bytes,
+                "outliers past the record");
+  c.cent = ct[0].data_ptr<float>();
+  c.centT = ct[1].data_ptr<float>();
+  c.mean = ct[2].data_ptr<float>();
+  c.std = ct[3].data_ptr<float>();
+  c.inv_std = ct[4].data_ptr<float>();
+  c.lo = ct[5].data_ptr<float>();
+  c.hi = ct[6].data_ptr<float>();
+  c.cent16 = reinterpret_cast<const uint16_t*>(ct[7].data_ptr());
+  check_f32(ct[8], "centK");
+  TORCH_CHECK(ct[8].numel() == ct[0].numel(), "centK: the centroids, [H, KC, D] for the scalar method");
+  c.centK = ct[8].data_ptr<float>();
+  return c;
+}
+
+void check_pages(const at::Tensor& pages, const Layout& L) {
+  TORCH_CHECK(pages.device().is_cpu() && pages.scalar_type() == at::kByte && pages.is_contiguous() &&
+                  pages.dim() == 3 && pages.size(1) == L.H && pages.size(2) == L.rec_bytes,
+              "pages must be a contiguous uint8 CPU tensor [num_pages, H, bytes]");
+}
+
+void check_table(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt, what, " must be an int32 CPU tensor");
+}
+
+}  // namespace
+
+std::string isa() { return g_kernels->name; }
+
+void set_isa(const std::string& name) {
+  TORCH_CHECK(by_name(name), "unknown ISA ", name, " (avx512, avx2, scalar)");
+  TORCH_CHECK(cpu_has(name), "this CPU does not support ", name);
+  g_kernels = by_name(name);
+}
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> out;
+  for (const char* n : {"avx512", "avx2", "scalar"})
+    if (cpu_has(n)) out.push_back(n);
+  return out;
+}
+
+// Fused decode attention, one query token per request.  q [R, Hq, D] f32; knew/vnew [R, H, D] f32
+// (rounded to the model dtype); seq_lens [R] int32 (incl. the new token); block_tables [R, P]
+// int32; cosT/sinT [D/2, P >= tiles * TILE] f32 (Rope.cos_sin, transposed); out [R, Hq, D] f32.
+void decode_attention(const at::Tensor& pages, const at::Tensor& q, const at::Tensor& knew,
+                      const at::Tensor& vnew, const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                      const at::Tensor& cosT, const at::Tensor& sinT, const at::Tensor& out,
+                      const std::vector<at::Tensor>& kt, const std::vector<int64_t>& ki,
+                      const std::vector<at::Tensor>& vt, const std::vector<int64_t>& vi,
+                      const std::vector<int64_t>& li, double scale, int64_t splits, bool exact,
+                      const at::Tensor& tcos, const at::Tensor& tsin, const at::Tensor& dcos,
+                      const at::Tensor& dsin, double inv_rope_scale) {
+  DecodeArgs a;
+  a.lay = make_layout(li);
+  a.k = make_codec(kt, ki, a.lay);
+  a.v = make_codec(vt, vi, a.lay);
+  check_pages(pages, a.lay);
+  for (const auto* t : {&q, &knew, &vnew, &cosT, &sinT, &out}) check_f32(*t, "decode argument");
+  check_table(seq_lens, "seq_lens");
+  check_table(block_tables, "block_tables");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1, "block_tables: [R, P], rows contiguous");
+  const int64_t R = q.size(0), Hq = q.size(1), D = a.lay.D, H = a.lay.H;
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == D && Hq % H == 0, "q: [R, Hq, D]");
+  TORCH_CHECK(knew.sizes() == at::IntArrayRef({R, H, D}) && vnew.sizes() == knew.sizes(), "key/value: [R, H, D]");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out: like q");
+  TORCH_CHECK(seq_lens.numel() == R && seq_lens.is_contiguous() && block_tables.size(0) == R, "batch sizes differ");
+  TORCH_CHECK(cosT.dim() == 2 && cosT.size(0) == D / 2 && sinT.sizes() == cosT.sizes(), "cosT/sinT: [D/2, P]");
+  if (R == 0) return;
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  int64_t max_len = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(sl[r] >= 1, "seq_lens must be >= 1");
+    max_len = std::max<int64_t>(max_len, sl[r]);
+  }
+  TORCH_CHECK(max_len <= block_tables.size(1) * a.lay.block_size, "seq_lens exceed the block table");
+  const int64_t max_tiles = (max_len + TILE - 1) / TILE;
+  TORCH_CHECK(cosT.size(1) >= max_tiles * TILE, "cosT/sinT: too few positions");
+  const int64_t num_pages = pages.size(0);
+  {  // every page the kernel will read must exist
+    const int32_t* bt = block_tables.data_ptr<int32_t>();
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t np = (sl[r] - 1) / a.lay.block_size + 1;
+      for (int64_t i = 0; i < np; ++i) {
+        const int32_t pg = bt[r * block_tables.stride(0) + i];
+        TORCH_CHECK(pg >= 0 && pg < num_pages, "block table entry out of range: ", pg);
+      }
+    }
+  }
+  const int64_t S = std::max<int64_t>(1, std::min<int64_t>(splits, max_tiles));
+  a.pages = pages.data_ptr<uint8_t>();
+  a.R = (int)R;
+  a.Hq = (int)Hq;
+  a.g = (int)(Hq / H);
+  a.S = (int)S;
+  a.q = q.data_ptr<float>();
+  a.knew = knew.data_ptr<float>();
+  a.vnew = vnew.data_ptr<float>();
+  a.seq_lens = sl;
+  a.bt = block_tables.data_ptr<int32_t>();
+  a.bt_stride = block_tables.stride(0);
+  a.cosT = cosT.data_ptr<float>();
+  a.sinT = sinT.data_ptr<float>();
+  a.P = cosT.size(1);
+  a.scale = (float)scale;
+  a.exact = exact ? 1 : 0;
+  if (!exact) {
+    for (const auto* t : {&tcos, &tsin, &dcos, &dsin}) check_f32(*t, "decode argument");
+    TORCH_CHECK(dcos.numel() == D / 2 * TILE && dsin.numel() == D / 2 * TILE, "dcos/dsin: [D/2, TILE]");
+    TORCH_CHECK(tcos.dim() == 2 && tcos.size(1) == D / 2 && tsin.sizes() == tcos.sizes() &&
+                    tcos.size(0) >= max_tiles, "tcos/tsin: [>= tiles, D/2]");
+    a.tcos = tcos.data_ptr<float>();
+    a.tsin = tsin.data_ptr<float>();
+    a.dcos = dcos.data_ptr<float>();
+    a.dsin = dsin.data_ptr<float>();
+    a.inv_rope_scale = (float)inv_rope_scale;
+  }
+  a.tiles_per_split = (int)((max_tiles + S - 1) / S);
+  at::Tensor part = at::empty({R * H * S * a.g * (4 + 2 * D)}, q.options());
+  a.part = part.data_ptr<float>();
+  a.out = out.data_ptr<float>();
+  const Kernels* kern = g_kernels;
+  parallel_items(R * H * S, [&](int64_t i) { kern->decode_item(a, i); });
+  parallel_items(R * H, [&](int64_t i) { kern->decode_merge(a, i); });
+}
+
+// The first n cached tokens of one sequence -> (K post-RoPE, V) [n, H, D] in the model dtype,
+// bit-identical to paged_torch.gather_kv.  cos/sin: [P >= n, D/2] from Rope.cos_sin.
+std::vector<at::Tensor> gather(const at::Tensor& pages, const at::Tensor& block_table, int64_t n,
+                               const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& kt,
+                               const std::vector<int64_t>& ki, const std::vector<at::Tensor>& vt,
+                               const std::vector<int64_t>& vi, const std::vector<int64_t>& li) {
+  GatherArgs a;
+  a.lay = make_layout(li);
+  a.k = make_codec(kt, ki, a.lay);
+  a.v = make_codec(vt, vi, a.lay);
+  check_pages(pages, a.lay);
+  check_table(block_table, "block_table");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  TORCH_CHECK(block_table.dim() == 1 && block_table.is_contiguous(), "block_table: one contiguous row");
+  const int64_t H = a.lay.H, D = a.lay.D, bs = a.lay.block_size;
+  TORCH_CHECK(n >= 0 && n <= block_table.numel() * bs, "n exceeds the block table");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D / 2 && cos.size(0) >= n && sin.sizes() == cos.sizes(),
+              "cos/sin: [P >= n, D/2]");
+  const auto dt = a.lay.bf16 ? at::kBFloat16 : at::kHalf;
+  at::Tensor K = at::empty({n, H, D}, pages.options().dtype(dt));
+  at::Tensor V = at::empty({n, H, D}, pages.options().dtype(dt));
+  if (n == 0) return {K, V};
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  for (int64_t i = 0; i < (n - 1) / bs + 1; ++i)
+    TORCH_CHECK(bt[i] >= 0 && bt[i] < pages.size(0), "block table entry out of range: ", bt[i]);
+  a.pages = pages.data_ptr<uint8_t>();
+  a.bt = bt;
+  a.cos = cos.data_ptr<float>();
+  a.sin = sin.data_ptr<float>();
+  auto* ko = reinterpret_cast<uint16_t*>(K.data_ptr());
+  auto* vo = reinterpret_cast<uint16_t*>(V.data_ptr());
+  a.kout = ko;
+  a.vout = vo;
+  const uint8_t* pg = a.pages;
+  auto region = [&](int64_t page, int64_t h, int64_t slot, int kv) {
+    return reinterpret_cast<const uint16_t*>(pg + (page * H + h) * a.lay.rec_bytes) + (slot * 2 + kv) * D;
+  };
+  const int64_t ns = std::min<int64_t>(n, SINKS);
+  for (int64_t t = 0; t < ns; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      std::memcpy(ko + (t * H + h) * D, region(bt[0], h, t, 0), D * 2);
+      std::memcpy(vo + (t * H + h) * D, region(bt[0], h, t, 1), D * 2);
+    }
+  const int64_t full = n / BLOCK;
+  const int64_t tail0 = std::max<int64_t>(full * BLOCK, SINKS);
+  for (int64_t t = tail0; t < n; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      std::memcpy(ko + (t * H + h) * D, region(bt[tail0 / bs], h, TAIL0 + t - tail0, 0), D * 2);
+      std::memcpy(vo + (t * H + h) * D, region(bt[tail0 / bs], h, TAIL0 + t - tail0, 1), D * 2);
+    }
+  const Kernels* kern = g_kernels;
+  if (full > 1) parallel_items((full - 1) * H, [&](int64_t i) { kern->gather_block(a, i); });
+  return {K, V};
+}
+
+// Twin of paged_torch.write_kv.  kh/vh [N, H, D] in the model dtype; positions/page_ids [N] int64;
+// cos/sin [P > max position, D/2] from Rope.cos_sin; s2 = rope.scale ** 2.
+void write_kv(const at::Tensor& pages, const at::Tensor& kh, const at::Tensor& vh, const at::Tensor& positions,
+              const at::Tensor& page_ids, const at::Tensor& cos, const at::Tensor& sin, double s2,
+              const std::vector<at::Tensor>& kt, const std::vector<int64_t>& ki, const std::vector<at::Tensor>& vt,
+              const std::vector<int64_t>& vi, const std::vector<int64_t>& li) {
+  EncodeArgs a;
+  a.lay = make_layout(li);
+  a.k = make_codec(kt, ki, a.lay);
+  a.v = make_codec(vt, vi, a.lay);
+  check_pages(pages, a.lay);
+  const int64_t N = kh.size(0), H = a.lay.H, D = a.lay.D, bs = a.lay.block_size;
+  const auto dt = a.lay.bf16 ? at::kBFloat16 : at::kHalf;
+  TORCH_CHECK(kh.scalar_type() == dt && vh.scalar_type() == dt && kh.is_contiguous() && vh.is_contiguous() &&
+                  kh.sizes() == at::IntArrayRef({N, H, D}) && vh.sizes() == kh.sizes(),
+              "key/value: contiguous [N, H, D] in the model dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && page_ids.scalar_type() == at::kLong &&
+                  positions.is_contiguous() && page_ids.is_contiguous() && positions.numel() == N &&
+                  page_ids.numel() == N,
+              "positions/page_ids: contiguous int64 [N]");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  if (N == 0) return;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* pid = page_ids.data_ptr<int64_t>();
+  int64_t max_pos = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    TORCH_CHECK(pos[i] >= 0 && pid[i] >= 0 && pid[i] < pages.size(0), "bad position or page id");
+    max_pos = std::max(max_pos, pos[i]);
+  }
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D / 2 && cos.size(0) > max_pos && sin.sizes() == cos.sizes(),
+              "cos/sin: [P > max position, D/2]");
+  std::vector<int64_t> ends;
+  for (int64_t i = 0; i < N; ++i)
+    if (pos[i] >= SINKS && pos[i] % BLOCK == BLOCK - 1) ends.push_back(i);
+  a.pages = pages.data_ptr<uint8_t>();
+  a.kh = reinterpret_cast<const uint16_t*>(kh.data_ptr());
+  a.vh = reinterpret_cast<const uint16_t*>(vh.data_ptr());
+  a.pos = pos;
+  a.pid = pid;
+  a.ends = ends.data();
+  a.cos = cos.data_ptr<float>();
+  a.sin = sin.data_ptr<float>();
+  a.s2 = (float)s2;
+  const Kernels* kern = g_kernels;
+  // 1. encode the completed blocks (reads tail slots before step 2 may reuse them)
+  parallel_items((int64_t)ends.size() * H, [&](int64_t i) { kern->encode_item(a, i); });
+  // 2. sinks, and tokens whose block is not completed within this call, go to the region
+  uint8_t* pg = a.pages;
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t p = pos[i], off = p % BLOCK;
+    int64_t slot;
+    if (p < SINKS) {
+      slot = p;
+    } else {
+      const int64_t j = i + (BLOCK - 1 - off);
+      if (j < N && pid[j] == pid[i] && pos[j] == p + (BLOCK - 1 - off)) continue;  // encoded
+      slot = TAIL0 + off;
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      uint16_t* reg = reinterpret_cast<uint16_t*>(pg + (pid[i] * H + h) * a.lay.rec_bytes) + slot * 2 * D;
+      std::memcpy(reg, a.kh + (i * H + h) * D, D * 2);
+      std::memcpy(reg + D, a.vh + (i * H + h) * D, D * 2);
+    }
+  }
+  (void)bs;
+}
+
+// vecs [B, N, v] f32, centT [B, v, K] f32 (centroids transposed) -> [B, N] int64 nearest indices
+at::Tensor nearest(const at::Tensor& vecs, const at::Tensor& centT) {
+  check_f32(vecs, "vecs");
+  check_f32(centT, "centroids");
+  TORCH_CHECK(vecs.dim() == 3 && centT.dim() == 3 && vecs.size(0) == centT.size(0) && vecs.size(2) == centT.size(1),
+              "vecs [B, N, v], centroids transposed [B, v, K]");
+  const int64_t B = vecs.size(0), N = vecs.size(1), v = vecs.size(2), K = centT.size(2);
+  TORCH_CHECK(K >= 1 && v >= 1, "empty codebook");
+  at::Tensor out = at::empty({B, N}, vecs.options().dtype(at::kLong));
+  if (B * N == 0) return out;
+  constexpr int64_t CH = 512;
+  const int64_t nch = (N + CH - 1) / CH;
+  const float* X = vecs.data_ptr<float>();
+  const float* C = centT.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  const Kernels* kern = g_kernels;
+  parallel_items(B * nch, [&](int64_t job) {
+    const int64_t b = job / nch, s = (job % nch) * CH, e = std::min(N, s + CH);
+    kern->nearest_rows(X + (b * N + s) * v, C + b * v * K, o + b * N + s, e - s, (int)K, (int)v);
+  });
+  return out;
+}
+
+}  // namespace tkv
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "vllm-temporalkv CPU kernels (AVX-512 / AVX2 / portable, chosen at run time)";
+  m.def("isa", &tkv::isa, "the kernel variant in use");
+  m.def("set_isa", &tkv::set_isa, "force a variant: avx512, avx2 or scalar");
+  m.def("supported_isas", &tkv::supported_isas, "the variants this CPU can run");
+  m.def("decode_attention", &tkv::decode_attention, py::call_guard<py::gil_scoped_release>());
+  m.def("gather", &tkv::gather, py::call_guard<py::gil_scoped_release>());
+  m.def("write_kv", &tkv::write_kv, py::call_guard<py::gil_scoped_release>());
+  m.def("nearest", &tkv::nearest, py::call_guard<py::gil_scoped_release>());
+  m.attr("TILE") = tkv::TILE;
+  // bumped whenever an op's arguments change: ops/cpu.py refuses (and says so) a stale build
+  m.attr("ABI_VERSION") = 5;
+}

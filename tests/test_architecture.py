@@ -1,0 +1,130 @@
+"""The rooms and what they may import; packaging (what `pip install .` installs and needs)."""
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "vllm_temporalkv"
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute module names a file imports (relative imports resolved against the package)."""
+    mod = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    pkg = mod.rsplit(".", 1)[0] if path.name != "__init__.py" else mod.removesuffix(".__init__")
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[: len(base) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module
+            out.add(name)
+            out.update(f"{name}.{a.name}" for a in node.names)
+    return out
+
+
+def _room(room: str) -> dict[Path, set[str]]:
+    target = PKG / room
+    files = sorted(target.rglob("*.py")) if target.is_dir() else [target.with_suffix(".py")]
+    return {f: _imports(f) for f in files}
+
+
+FORBIDDEN = {
+    # the method is checkable without kernels, calibration or vLLM
+    "codecs": ("vllm_temporalkv.ops", "vllm_temporalkv.vllm", "vllm_temporalkv.calibration", "vllm", "triton",
+               "numba", "fast_pytorch_kmeans"),
+    "formats": ("torch", "vllm", "vllm_temporalkv.ops", "vllm_temporalkv.codecs"),
+    "layout": ("vllm", "vllm_temporalkv.ops", "vllm_temporalkv.codecs", "vllm_temporalkv.vllm"),
+    "artifact": ("vllm", "vllm_temporalkv.ops", "vllm_temporalkv.vllm", "vllm_temporalkv.calibration"),
+    # fast paths are testable against the oracle without vLLM; serving never needs calibration
+    "ops": ("vllm", "vllm_temporalkv.vllm", "vllm_temporalkv.calibration"),
+    "calibration": ("vllm", "vllm_temporalkv.ops", "vllm_temporalkv.vllm"),
+}
+
+
+@pytest.mark.parametrize("room", sorted(FORBIDDEN))
+def test_rooms_import_only_downstream(room):
+    bad = []
+    for f, names in _room(room).items():
+        for n in names:
+            if any(n == p or n.startswith(p + ".") for p in FORBIDDEN[room]):
+                bad.append(f"{f.relative_to(ROOT)} imports {n}")
+    assert not bad, "\n".join(bad)
+
+
+def test_only_the_vllm_room_imports_vllm():
+    for f in PKG.rglob("*.py"):
+        if (PKG / "vllm") in f.parents:
+            continue
+        assert not any(n == "vllm" or n.startswith("vllm.") for n in _imports(f)), f
+
+
+def test_setup_installs_only_the_package_and_serving_deps():
+    code = textwrap.dedent("""
+        import json, setuptools
+        captured = {}
+        setuptools.setup = lambda **kw: captured.update(kw)
+        exec(compile(open("setup.py").read(), "setup.py", "exec"), {"__file__": "setup.py", "__name__": "__main__"})
+        print(json.dumps({"packages": captured["packages"], "requires": captured["install_requires"],
+                          "extras": sorted(captured["extras_require"]),
+                          "scripts": captured["entry_points"]["console_scripts"]}))
+    """)
+    import json
+
+    info = json.loads(subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True,
+                                     text=True).stdout.strip().splitlines()[-1])
+    assert info["packages"] and all(p == "vllm_temporalkv" or p.startswith("vllm_temporalkv.") for p in info["packages"])
+    assert "vllm_temporalkv.calibration" in info["packages"]
+    assert {r.split(">")[0].split("=")[0] for r in info["requires"]} == {"torch", "safetensors"}
+    assert {"calibrate", "bench", "test"} <= set(info["extras"])
+    assert any(s.startswith("temporalkv-calibrate=") for s in info["scripts"])
+    assert any(s.startswith("vllm-temporalkv=") for s in info["scripts"])
+
+
+def test_serving_needs_no_calibration_or_benchmark_packages(tiny_artifact):
+    """The plugin registers, loads an artifact and runs a cache update + attention on the serving
+    path without importing any package that only the extras install."""
+    code = textwrap.dedent(f"""
+        import sys
+        # packages only the extras bring (tqdm, gguf, transformers, accelerate, openai come with vLLM)
+        EXTRAS = ("numba", "fast_pytorch_kmeans", "matplotlib")
+        import torch
+        from vllm_temporalkv.artifact import Artifact
+        from vllm_temporalkv.formats import get_format
+        from vllm_temporalkv.layout import PageLayout
+        from vllm_temporalkv.ops import paged_torch
+        from vllm_temporalkv.vllm import plugin
+        plugin.register()
+        art = Artifact.load({str(tiny_artifact)!r})
+        fmt = get_format("temporalkv-2bit")
+        H, D = art.fingerprint["num_kv_heads"], art.fingerprint["head_dim"]
+        kq, vq = art.layer_quantizers(fmt.name, 0)
+        class Cfg:
+            num_attention_heads, hidden_size, head_dim, rope_theta = 9, 576, 64, 100000.0
+        from vllm_temporalkv.rope import Rope
+        lay = PageLayout(fmt, D, 32)
+        lc = paged_torch.LayerCache(fmt, lay, kq, vq, Rope(Cfg()), torch.bfloat16)
+        pages = torch.zeros(2, H, lay.bytes, dtype=torch.uint8)
+        n = 40
+        k, v = torch.randn(n, H, D).bfloat16(), torch.randn(n, H, D).bfloat16()
+        q = torch.randn(n, 3 * H, D).bfloat16()
+        pos = torch.arange(n)
+        out = paged_torch.paged_attention(lc, pages, q, k, v, torch.tensor([0, n]), torch.tensor([n]),
+                                          torch.tensor([[0, 1]]), 0.125)
+        paged_torch.write_kv(lc, pages, k, v, pos, pos // 32)
+        assert torch.isfinite(out.float()).all() and pages.any()
+        used = sorted({{m.split(".")[0] for m in sys.modules}} & set(EXTRAS))
+        assert not used, f"serving imported {{used}}"
+        print("served")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "served" in r.stdout, r.stderr[-3000:]

@@ -1,0 +1,303 @@
+"""The C++ CPU kernels (csrc/, vllm_temporalkv.ops.cpu) against the torch path (ops/paged_torch.py).
+
+* cache updates and gathers: bit-identical pages / K / V;
+* nearest: bit-identical to ``nearest_torch``, ties included;
+* decode attention: the kernel decodes K/V exactly as the torch path does (same float32 ops, same
+  RoPE tables, rounded to the model dtype), so only the attention arithmetic differs (float32 with
+  FMA, another summation order).  Its float32 output is held to 1e-5 x max(1, |output|) of the float64
+  oracle (``batch_invariant=True``); outputs in the model dtype to 2 units of its rounding of the torch
+  float32 serving path (``batch_invariant=False``; a last-bit flip of the final rounding is 1 unit);
+* every ISA variant the CPU has (avx512, avx2, scalar) gives the same pages and matching outputs.
+"""
+
+import pytest
+import torch
+
+from tests.test_artifact import synthetic_artifact
+from vllm_temporalkv.codecs import base as codec_base
+from vllm_temporalkv.formats import get_format
+from vllm_temporalkv.layout import PageLayout
+from vllm_temporalkv.ops import cpu, paged_torch
+from vllm_temporalkv.rope import Rope
+
+# built by `pip install --no-build-isolation -e .` (or VLLM_TEMPORALKV_CPU_JIT=1 compiles csrc/ on import)
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"C++ CPU kernels not built/loadable: {cpu._LOAD_ERROR}")
+
+
+def make_cache(fmt, D, outliers, dtype, layer, H=2, GQ=3, block_size=16):
+    """A LayerCache of a synthetic artifact (layer 0 of a temporal format: the hybrid's K is channel-chunked)."""
+    from transformers import LlamaConfig
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": H * GQ,
+           "num_key_value_heads": H, "hidden_size": H * GQ * D, "vocab_size": 100,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    art = synthetic_artifact(cfg, formats=[fmt])
+    kq, vq = art.quantizers(fmt, outliers=outliers)[layer]
+    rope = Rope(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
+    lay = PageLayout(get_format(fmt), D, block_size, outliers)
+    return paged_torch.LayerCache(get_format(fmt), lay, kq, vq, rope, dtype)
+
+
+@pytest.fixture
+def torch_nearest(monkeypatch):
+    """Make the oracle use the torch argmin (the C++ one registers itself for CPU tensors)."""
+    monkeypatch.setattr(codec_base, "_NEAREST_IMPLS", {})
+
+
+@pytest.fixture(params=cpu.supported_isas())
+def isa(request):
+    before = cpu.isa()
+    cpu.set_isa(request.param)
+    yield request.param
+    cpu.set_isa(before)
+
+
+# (format, head_dim, outliers, dtype, layer): every method x bits, the hybrid, both head dims and
+# dtypes, outliers on and off
+CASES = [
+    ("temporalkv-4bit", 64, True, torch.bfloat16, 1),
+    ("temporalkv-2bit", 128, False, torch.float16, 1),
+    ("temporalkv-1bit", 64, True, torch.float16, 1),
+    ("temporalkv-2bit", 64, True, torch.bfloat16, 0),  # hybrid: K channel, V temporal
+    ("temporalkv-1bit", 128, False, torch.bfloat16, 0),
+    ("temporalkv-4bit", 128, True, torch.float16, 0),
+    ("channelkv-4bit", 64, False, torch.float16, 1),
+    ("channelkv-2bit", 128, True, torch.bfloat16, 1),
+    ("channelkv-1bit", 64, True, torch.bfloat16, 1),
+    ("kvquant-4bit", 64, False, torch.bfloat16, 1),
+    ("kvquant-2bit", 128, True, torch.float16, 1),
+    ("kvquant-1bit", 64, True, torch.bfloat16, 1),
+]
+IDS = [f"{f}-d{d}-{'o1' if o else 'o0'}-{str(t)[6:]}-L{layer}" for f, d, o, t, layer in CASES]
+
+
+def _batch(kv, calls, tables, block_size):
+    ks, vs, ps, ids = [], [], [], []
+    for r, (a, b) in calls.items():
+        pos = torch.arange(a, b)
+        ks.append(kv[r][0][a:b])
+        vs.append(kv[r][1][a:b])
+        ps.append(pos)
+        ids.append(tables[r][pos // block_size])
+    return torch.cat(ks), torch.cat(vs), torch.cat(ps), torch.cat(ids)
+
+
+def _tol(dtype, ref):
+    # 2 units of the model dtype's rounding at the outputs' magnitude (see the module docstring)
+    eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    return 2 * eps * max(1.0, ref.float().abs().max().item())
+
+
+def _check_f32_vs_f64(lc, pages, q, key, val, sl, tables, scale, **kw):
+    """The kernel's float32 output against the float64 oracle (see the module docstring)."""
+    R, Hq, D = q.shape
+    want = paged_torch.paged_attention(lc, pages, q, key, val, torch.arange(R + 1), sl, tables, scale,
+                                       out=torch.empty(R, Hq, D, dtype=torch.float64), batch_invariant=True)
+    got = cpu.decode_attention(lc, pages, q, key, val, sl, tables, scale, out=torch.empty(R, Hq, D), **kw)
+    err = (got.double() - want).abs().max().item()
+    assert err <= 1e-5 * max(1.0, want.abs().max().item()), err
+
+
+# ---- nearest ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("v,K", [(1, 2), (1, 4), (1, 16), (2, 256), (4, 256), (8, 256), (4, 100)])
+def test_nearest_bit_identical(v, K, isa):
+    g = torch.Generator().manual_seed(v * 1000 + K)
+    B, N = 3, 700
+    C = torch.randn(B, K, v, generator=g).half().float()
+    C[:, K // 2] = C[:, K // 3]  # exact duplicates: ties go to the lowest index
+    C[:, K - 1] = C[:, 0]
+    X = torch.randn(B, N, v, generator=g)
+    X[:, :50] = C[:, torch.randint(0, K, (50,), generator=g)]  # points on centroids (incl. duplicates)
+    X[:, 50:60] = (C[:, K // 3] + C[:, 1])[:, None] / 2  # equidistant points
+    got = cpu.nearest(X, C)
+    want = codec_base.nearest_torch(X, C)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+
+
+# ---- cache update and gather: bit-identical ----------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_write_kv_and_gather_bit_exact(case, torch_nearest):
+    fmt, D, outliers, dtype, layer = case
+    H = 2
+    lc = make_cache(fmt, D, outliers, dtype, layer, H=H)
+    g = torch.Generator().manual_seed(1)
+    lens = {0: 40, 1: 6, 2: 21}
+    kv = {r: (torch.randn(n, H, D, generator=g) * (2.0 - r / 2), torch.randn(n, H, D, generator=g) * (2.0 - r / 2))
+          for r, n in lens.items()}
+    tables = torch.tensor([[3, 7, 1], [5, 0, 2], [9, 4, 8]])
+    pages = torch.randint(0, 256, (10, H, lc.layout.bytes), dtype=torch.uint8, generator=g)
+    ref = pages.clone()
+    # mixed requests per call; a call completing a block whose first rows wait in the tail and
+    # refilling that tail in the same page; a block-completing decode step
+    for calls in ({0: (0, 13), 1: (0, 5), 2: (0, 12)}, {0: (13, 30), 1: (5, 6), 2: (12, 21)},
+                  {0: (30, 32)}, {0: (32, 39)}, {0: (39, 40)}):
+        args = _batch(kv, calls, tables, lc.block_size)
+        paged_torch.write_kv(lc, ref, *args)
+        cpu.write_kv(lc, pages, *args)
+        assert torch.equal(pages, ref), calls
+    for r, n in lens.items():
+        for m in sorted({n, n - 1, 8, 9, 16, 17} & set(range(n + 1))):
+            K, V = cpu.gather_kv(lc, pages, tables[r], m)
+            EK, EV = paged_torch.gather_kv(lc, ref, tables[r], m)
+            assert torch.equal(K, EK) and torch.equal(V, EV), (r, m)
+
+
+def test_isa_variants_write_identical_pages():
+    lc = make_cache("temporalkv-2bit", 64, True, torch.bfloat16, 0)
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(50, 2, 64, generator=g) * 2, torch.randn(50, 2, 64, generator=g) * 2
+    table = torch.tensor([2, 0, 3, 1])
+    results = []
+    before = cpu.isa()
+    try:
+        for name in cpu.supported_isas():
+            cpu.set_isa(name)
+            pages = torch.zeros(4, 2, lc.layout.bytes, dtype=torch.uint8)
+            for a, b in ((0, 21), (21, 22), (22, 50)):
+                pos = torch.arange(a, b)
+                cpu.write_kv(lc, pages, k[a:b], v[a:b], pos, table[pos // lc.block_size])
+            results.append(pages)
+    finally:
+        cpu.set_isa(before)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+# ---- decode attention ----------------------------------------------------------------------------
+
+
+def _decode_setup(case, lens, H=2, GQ=3, block_size=16, seed=2):
+    fmt, D, outliers, dtype, layer = case
+    lc = make_cache(fmt, D, outliers, dtype, layer, H=H, GQ=GQ, block_size=block_size)
+    g = torch.Generator().manual_seed(seed)
+    R = len(lens)
+    per = -(-max(lens) // block_size)
+    tables = torch.randperm(R * per, generator=g).reshape(R, per)
+    pages = torch.zeros(R * per, H, lc.layout.bytes, dtype=torch.uint8)
+    kv = {r: (torch.randn(n, H, D, generator=g) * 2, torch.randn(n, H, D, generator=g)) for r, n in enumerate(lens)}
+    q = torch.randn(R, H * GQ, D, generator=g).to(dtype)
+    ctx = {r: (0, n - 1) for r, n in enumerate(lens) if n > 1}
+    if ctx:
+        cpu.write_kv(lc, pages, *_batch(kv, ctx, tables, block_size))
+    key = torch.stack([kv[r][0][-1] for r in range(R)]).to(dtype)
+    val = torch.stack([kv[r][1][-1] for r in range(R)]).to(dtype)
+    return lc, pages, tables, q, key, val
+
+
+LENS = list(range(1, 21)) + [23, 24, 25, 31, 32, 33, 40, 57, 64, 65, 75]
+
+
+@pytest.mark.parametrize("case", CASES[:4] + CASES[6:7] + CASES[9:10], ids=IDS[:4] + IDS[6:7] + IDS[9:10])
+def test_decode_fast_variant(case):
+    """exact=False (composed RoPE, decoded K/V not rounded): within the model dtype's rounding."""
+    lc, pages, tables, q, key, val = _decode_setup(case, LENS)
+    sl = torch.tensor(LENS)
+    ref = paged_torch.paged_attention(lc, pages, q, key, val, torch.arange(len(LENS) + 1), sl, tables,
+                                      case[1] ** -0.5, batch_invariant=False)
+    out = cpu.decode_attention(lc, pages, q, key, val, sl, tables, case[1] ** -0.5, exact=False)
+    assert (out.float() - ref.float()).abs().max() <= 2 * _tol(lc.dtype, ref)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_decode_matches_reference(case):
+    lc, pages, tables, q, key, val = _decode_setup(case, LENS)
+    R = len(LENS)
+    sl = torch.tensor(LENS)
+    scale = case[1] ** -0.5
+    ref = paged_torch.paged_attention(lc, pages, q, key, val, torch.arange(R + 1), sl, tables, scale,
+                                      batch_invariant=False)
+    for splits in (None, 1, 2):
+        out = cpu.decode_attention(lc, pages, q, key, val, sl, tables, scale, splits=splits)
+        assert out.dtype == q.dtype
+        err = (out.float() - ref.float()).abs().amax((1, 2))
+        assert err.max() <= _tol(lc.dtype, ref), (splits, err.tolist())
+        _check_f32_vs_f64(lc, pages, q, key, val, sl, tables, scale, splits=splits)
+
+
+@pytest.mark.parametrize("H,GQ,D", [(3, 3, 64), (8, 4, 128)])  # SmolLM2's and Llama-8B's GQA
+def test_decode_long_context_gqa_and_isas(H, GQ, D, isa):
+    """Multi-page sequences (block_size 32), several splits, every ISA variant."""
+    case = ("temporalkv-2bit", D, True, torch.bfloat16, 1)
+    lens = [300, 129, 36, 8]
+    lc, pages, tables, q, key, val = _decode_setup(case, lens, H=H, GQ=GQ, block_size=32, seed=3)
+    sl = torch.tensor(lens)
+    ref = paged_torch.paged_attention(lc, pages, q, key, val, torch.arange(len(lens) + 1), sl, tables, D ** -0.5,
+                                      batch_invariant=False)
+    for splits in (1, 3):
+        out = cpu.decode_attention(lc, pages, q, key, val, sl, tables, D ** -0.5, splits=splits)
+        assert (out.float() - ref.float()).abs().max() <= _tol(lc.dtype, ref), splits
+        _check_f32_vs_f64(lc, pages, q, key, val, sl, tables, D ** -0.5, splits=splits)
+
+
+def test_decode_steps_end_to_end():
+    """Serving steps on the C++ ops only (attend, then write), against the torch path doing the same:
+    blocks complete mid-way, so freshly encoded codes are read back by the decode kernel."""
+    case = ("temporalkv-2bit", 64, True, torch.float16, 0)
+    lens = [14, 30]
+    lc, pages, tables, _, _, _ = _decode_setup(case, [n + 10 for n in lens], block_size=16, seed=3)
+    pages.zero_()
+    g = torch.Generator().manual_seed(4)
+    kv = {r: (torch.randn(n + 10, 2, 64, generator=g), torch.randn(n + 10, 2, 64, generator=g)) for r, n in enumerate(lens)}
+    ref = pages.clone()
+    args = _batch(kv, {0: (0, lens[0]), 1: (0, lens[1])}, tables, lc.block_size)
+    paged_torch.write_kv(lc, ref, *args)
+    cpu.write_kv(lc, pages, *args)
+    for step in range(10):
+        pos = [n + step for n in lens]
+        q = torch.randn(2, 6, 64, generator=g).half()
+        key = torch.stack([kv[r][0][p] for r, p in enumerate(pos)]).half()
+        val = torch.stack([kv[r][1][p] for r, p in enumerate(pos)]).half()
+        qsl = torch.arange(3)
+        sl = torch.tensor([p + 1 for p in pos])
+        want = paged_torch.paged_attention(lc, ref, q, key, val, qsl, sl, tables, 0.125, batch_invariant=False)
+        got = cpu.paged_attention(lc, pages, q, key, val, qsl, sl, tables, 0.125, batch_invariant=False)
+        assert (got.float() - want.float()).abs().max() <= _tol(torch.float16, want), step
+        p = torch.tensor(pos)
+        pid = tables[torch.arange(2), p // lc.block_size]
+        paged_torch.write_kv(lc, ref, key, val, p, pid)
+        cpu.write_kv(lc, pages, key, val, p, pid)
+        assert torch.equal(pages, ref), step
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_paged_attention_mixed_batch(batch_invariant):
+    """Prefill chunks and decodes in one batch through ops.cpu.paged_attention."""
+    case = ("channelkv-2bit", 64, True, torch.bfloat16, 1)
+    full = [60, 45, 20, 9, 33]
+    lc, pages, tables, _, _, _ = _decode_setup(case, full, H=2, GQ=3, block_size=16, seed=7)
+    pages.zero_()
+    g = torch.Generator().manual_seed(8)
+    kv = {r: (torch.randn(n, 2, 64, generator=g), torch.randn(n, 2, 64, generator=g)) for r, n in enumerate(full)}
+    ctx = [50, 44, 0, 8, 32]  # cached tokens; this step: 10-token chunk, decode, fresh 20-token prefill, decode, decode
+    paged_torch.write_kv(lc, pages, *_batch(kv, {r: (0, c) for r, c in enumerate(ctx) if c}, tables, 16))
+    calls = {r: (c, n) for r, (c, n) in enumerate(zip(ctx, full))}
+    key, val, _, _ = _batch(kv, calls, tables, 16)
+    qsl = torch.tensor([0] + [n - c for c, n in zip(ctx, full)]).cumsum(0)
+    q = torch.randn(int(qsl[-1]), 6, 64, generator=g).bfloat16()
+    sl = torch.tensor(full)
+    want = paged_torch.paged_attention(lc, pages, q, key.bfloat16(), val.bfloat16(), qsl, sl, tables, 0.125,
+                                       batch_invariant=batch_invariant)
+    got = cpu.paged_attention(lc, pages, q, key.bfloat16(), val.bfloat16(), qsl, sl, tables, 0.125,
+                              batch_invariant=batch_invariant)
+    if batch_invariant:  # torch attention on bit-identical gathered K/V: the same numbers
+        assert torch.equal(got, want)
+    else:
+        assert (got.float() - want.float()).abs().max() <= _tol(torch.bfloat16, want)
+
+
+def test_unloadable_extension_falls_back(monkeypatch, caplog):
+    """Without the extension every op runs the torch path and says so once."""
+    lc, pages, tables, q, key, val = _decode_setup(("kvquant-2bit", 64, False, torch.bfloat16, 1), [5, 19])
+    monkeypatch.setattr(cpu, "_C", None)
+    monkeypatch.setattr(cpu, "_WARNED", False)
+    with caplog.at_level("WARNING", logger="vllm.temporalkv"):
+        assert not cpu.available() and not cpu.available()
+        out = cpu.paged_attention(lc, pages, q, key, val, torch.arange(3), torch.tensor([5, 19]), tables, 0.125,
+                                  batch_invariant=False)
+    assert sum("could not be loaded" in r.message for r in caplog.records) == 1
+    want = paged_torch.paged_attention(lc, pages, q, key, val, torch.arange(3), torch.tensor([5, 19]), tables,
+                                       0.125, batch_invariant=False)
+    assert torch.equal(out, want)

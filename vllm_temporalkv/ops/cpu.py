@@ -1,0 +1,335 @@
+"""The C++ CPU kernels (csrc/, module ``vllm_temporalkv._C_cpu``): loader, argument preparation, dispatch.
+
+Ops (each the twin of the torch path in ``paged_torch``, which stays the oracle):
+
+* ``decode_attention(lc, pages, query, key, value, seq_lens, block_tables, scale, out=None)``: fused
+  paged attention straight from the codes for one query token per request, all requests in one call.
+  Per (request, KV head, split): stream the blocks, decode each block's codes once through the
+  centroid table, denormalize, outliers, RoPE on decoded keys, score all query heads of the GQA
+  group, online softmax, accumulate V in normalized space (denormalized once at the end); split-K
+  with a log-sum-exp merge.  Sinks, the tail, the new token and the own-block-exact rule as the
+  torch path.  Decoded K/V are computed exactly as the torch path computes them (bit-identical values
+  before the dot products); the attention itself is float32 with FMA, so outputs agree with the
+  float64 oracle to ~1e-6 relative (``exact=False``: faster, see ``decode_attention``).
+* ``gather_kv(lc, pages, block_table, n)``: the first n cached tokens -> (K post-RoPE, V), bit-identical
+  to ``paged_torch.gather_kv``.
+* ``write_kv(lc, pages, key, value, positions, page_ids)``: cache update, bit-identical pages to
+  ``paged_torch.write_kv`` (exhaustive nearest-centroid search under the codec contract).
+* ``nearest(vecs, centroids)``: the codec contract's argmin (registered for "cpu" tensors on load).
+* ``paged_attention(...)``: the signature of ``paged_torch.paged_attention``; decode requests go to the
+  fused kernel (unless ``batch_invariant``), the others to the torch attention on C++-gathered K/V.
+
+If the extension cannot be loaded, ``available()`` is False, a warning says so once, and every op
+here falls back to the torch path.  ``VLLM_TEMPORALKV_CPU_ISA=avx512|avx2|scalar`` forces a kernel
+variant (default: the best the CPU has); ``VLLM_TEMPORALKV_CPU_JIT=1`` compiles csrc/ with
+``torch.utils.cpp_extension.load`` when the built extension is missing (a checkout only);
+``VLLM_TEMPORALKV_CPU_EXACT=0`` makes the decode kernel's faster, not bit-matched variant the default.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import weakref
+from pathlib import Path
+
+import torch
+
+from . import paged_torch
+
+logger = logging.getLogger("vllm.temporalkv")
+
+METHOD_IDS = {"temporal": 0, "channel": 1, "scalar": 2}
+ABI_VERSION = 5  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
+MIN_TILES_PER_SPLIT = 8  # split-K: at least 8 tiles (256 tokens) per split
+EXACT = os.environ.get("VLLM_TEMPORALKV_CPU_EXACT", "1") != "0"  # decode_attention's default (see there)
+
+_C = None
+_LOAD_ERROR: str | None = None
+_WARNED = False
+
+
+def _jit_load():
+    from torch.utils.cpp_extension import load
+
+    src = Path(__file__).resolve().parents[2] / "csrc"
+    if not src.is_dir():
+        raise ImportError(f"no csrc/ next to the package ({src})")
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686")
+    units = ["ops.cpp", "isa_scalar.cpp"] + (["isa_avx2.cpp", "isa_avx512.cpp"] if x86 else [])
+    return load(name="vllm_temporalkv_C_cpu", sources=[str(src / u) for u in units],
+                extra_include_paths=[str(src)],
+                extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
+                + (["-DTKV_X86=1"] if x86 else []),
+                extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def _load():
+    global _C, _LOAD_ERROR
+    try:
+        from .. import _C_cpu as mod
+    except Exception as e:  # noqa: BLE001 - any failure means: torch path
+        mod = None
+        _LOAD_ERROR = f"{type(e).__name__}: {e}"
+        if os.environ.get("VLLM_TEMPORALKV_CPU_JIT") == "1":
+            try:
+                mod = _jit_load()
+                _LOAD_ERROR = None
+            except Exception as e2:  # noqa: BLE001
+                _LOAD_ERROR += f"; JIT build failed: {type(e2).__name__}: {e2}"
+    if mod is not None and getattr(mod, "ABI_VERSION", None) != ABI_VERSION:
+        _LOAD_ERROR = (f"{getattr(mod, '__file__', mod)} is a stale build (ABI {getattr(mod, 'ABI_VERSION', None)}, "
+                       f"this package expects {ABI_VERSION})")
+        mod = None
+    _C = mod
+    if _C is not None:
+        from ..codecs.base import register_nearest
+
+        register_nearest("cpu", nearest)
+
+
+def available() -> bool:
+    """Whether the C++ kernels are loaded; if not, warns once (callers use the torch path)."""
+    global _WARNED
+    if _C is None and not _WARNED:
+        _WARNED = True
+        logger.warning(
+            "vllm-temporalkv: the C++ CPU kernels (vllm_temporalkv._C_cpu) could not be loaded (%s); "
+            "attention and cache updates run on the slower torch path. Rebuild with "
+            "`pip install --no-build-isolation -e . --no-deps` (needs a C++ compiler and torch).", _LOAD_ERROR)
+    return _C is not None
+
+
+def isa() -> str | None:
+    """The kernel variant in use ("avx512", "avx2", "scalar"), None without the extension."""
+    return _C.isa() if _C is not None else None
+
+
+def supported_isas() -> list[str]:
+    return list(_C.supported_isas()) if _C is not None else []
+
+
+def set_isa(name: str) -> None:
+    """Force a kernel variant (tests); raises if the CPU cannot run it."""
+    _C.set_isa(name)
+
+
+# ---- what the kernels need from a LayerCache, prepared once per (quantizer, layout) ------------
+
+_CODEC: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _codec_args(q, lay, kind: str):
+    per = _CODEC.setdefault(q, {})
+    key = (kind, lay.code_bytes, lay.k_codes, lay.v_codes, lay.k_idx, lay.k_val, lay.v_idx, lay.v_val)
+    if key not in per:
+        codec, s = q.codec, q.stats
+        f32 = lambda t: t.detach().float().contiguous().cpu()  # noqa: E731
+        cent = f32(codec._check_fitted())
+        scalar = codec.method == "scalar"
+        ints = [
+            METHOD_IDS[codec.method],
+            1 if scalar else codec.chunk,
+            (codec.n_centroids - 1).bit_length() if scalar else 8,
+            codec.n_centroids,
+            lay.code_bytes,
+            lay.k_codes if kind == "k" else lay.v_codes,
+            lay.k_idx if kind == "k" else lay.v_idx,
+            lay.k_val if kind == "k" else lay.v_val,
+        ]
+        # float16 copy: the attention kernel's lookup tables (half the cache footprint; artifacts store
+        # fp16 centroids, so this is exact for them); gather and encode use the float32 ones
+        tensors = [cent, cent.transpose(2, 3).contiguous(), f32(s.mean), f32(s.std), f32(s.inv_std), f32(s.lo),
+                   f32(s.hi), cent.half().contiguous(),
+                   # scalar method: [H, KC, D], a codebook entry of every channel side by side (vector loads)
+                   cent.permute(0, 2, 1, 3).contiguous() if scalar else cent]
+        per[key] = (tensors, ints)
+    return per[key]
+
+
+def _layout_args(lc, H: int) -> list[int]:
+    lay = lc.layout
+    return [H, lay.head_dim, lay.block_size, lay.cap, lay.bytes, int(lc.dtype == torch.bfloat16)]
+
+
+def _args(lc, H: int):
+    kt, ki = _codec_args(lc.k, lc.layout, "k")
+    vt, vi = _codec_args(lc.v, lc.layout, "v")
+    return kt, ki, vt, vi, _layout_args(lc, H)
+
+
+_ROPE: dict = {}  # shared by every layer's Rope with the same frequencies and scale
+
+
+def rope_tables(rope, n: int):
+    """cos, sin [P >= n, D/2] float32 for positions 0..P-1, from ``Rope.cos_sin`` itself (bit-identical
+    to the torch path; channels c and c + D/2 share their values), and the same transposed [D/2, P]
+    (the decode kernel's).  Grows by powers of two."""
+    key = (float(rope.scale), rope.inv_freq.detach().float().cpu().numpy().tobytes())
+    have = _ROPE.get(key)
+    if have is None or have[0].shape[0] < n:
+        P = max(1024, 1 << max(0, int(n) - 1).bit_length())
+        cos, sin = rope.cos_sin(torch.arange(P, device=rope.inv_freq.device))
+        hd = cos.shape[-1] // 2
+        cos, sin = cos[:, 0, :hd].float().contiguous().cpu(), sin[:, 0, :hd].float().contiguous().cpu()
+        T = _C.TILE
+        have = (cos, sin, cos.t().contiguous(), sin.t().contiguous(),  # exact decode: per position
+                cos[::T].contiguous(), sin[::T].contiguous(),  # fast decode: tile starts, offsets
+                cos[:T].t().contiguous(), sin[:T].t().contiguous())
+        _ROPE[key] = have
+    return have
+
+
+def supports(lc, pages: torch.Tensor | None = None) -> bool:
+    """Whether the kernels handle this layer cache (else: the torch path)."""
+    D = lc.layout.head_dim
+    return (available() and lc.dtype in (torch.bfloat16, torch.float16) and D % 32 == 0 and D <= 256
+            and lc.k.outliers == lc.layout.outliers == lc.v.outliers
+            and (pages is None or (pages.device.type == "cpu" and pages.dtype == torch.uint8
+                                   and pages.is_contiguous())))
+
+
+def _i32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+# ---- ops ---------------------------------------------------------------------------------------
+
+
+def num_splits(items: int, max_tiles: int) -> int:
+    """Splits per (request, KV head): ~8 work items per thread, at least MIN_TILES_PER_SPLIT tiles each."""
+    target = 8 * max(1, torch.get_num_threads())
+    return max(1, min(-(-target // max(1, items)), -(-max_tiles // MIN_TILES_PER_SPLIT)))
+
+
+@torch.no_grad()
+def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                     out: torch.Tensor | None = None, *, splits: int | None = None,
+                     exact: bool | None = None) -> torch.Tensor:
+    """One query token per request: query [R, Hq, D], this step's key/value [R, Hkv, D], seq_lens [R]
+    (cached + the new token), block_tables [R, P].  Reads the pages before this step's write_kv.
+
+    exact (default: ``EXACT``): decoded K/V are computed as the torch path computes them (the same float32
+    ops and per-position RoPE tables, then rounded to the model dtype), so outputs match its float64
+    attention to ~1e-6.  exact=False is ~1.3-1.5x faster: keys rotated as R(tile start) R(offset) and K/V
+    not rounded to the model dtype - a different rounding of the decoded values, up to ~1% on single
+    output elements of a real model (large logits amplify the model-dtype rounding of the keys)."""
+    R, Hq, D = query.shape
+    H = key.shape[1]
+    if out is None:
+        out = torch.empty_like(query)
+    if R == 0:
+        return out
+    if not supports(lc, pages):
+        qsl = torch.arange(R + 1, device=query.device)
+        return paged_torch.paged_attention(lc, pages, query, key, value, qsl, seq_lens, block_tables, scale,
+                                           out, batch_invariant=False)
+    sl = _i32(seq_lens)
+    bt = _i32(block_tables)
+    max_len = int(sl.max())
+    cosT, sinT, tcos, tsin, dcos, dsin = rope_tables(lc.rope, max_len + _C.TILE)[2:]
+    if exact is None:
+        exact = EXACT
+    max_tiles = -(-max_len // _C.TILE)
+    S = splits or num_splits(R * H, max_tiles)
+    q32 = query.float().contiguous()
+    kn = key.to(lc.dtype).float().contiguous()
+    vn = value.to(lc.dtype).float().contiguous()
+    o32 = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(R, Hq, D)
+    kt, ki, vt, vi, li = _args(lc, H)
+    _C.decode_attention(pages, q32, kn, vn, sl, bt, cosT, sinT, o32, kt, ki, vt, vi, li, float(scale), int(S),
+                        bool(exact), tcos, tsin, dcos, dsin, 1.0 / float(lc.rope.scale))
+    if o32 is not out:
+        out.copy_(o32)
+    return out
+
+
+@torch.no_grad()
+def gather_kv(lc, pages: torch.Tensor, block_table: torch.Tensor, n: int):
+    """The first n cached tokens of one sequence -> (K post-RoPE, V) [n, H, D] in lc.dtype, bit-identical
+    to ``paged_torch.gather_kv``."""
+    if not supports(lc, pages):
+        return paged_torch.gather_kv(lc, pages, block_table, n)
+    H = pages.shape[1]
+    cos, sin = rope_tables(lc.rope, max(int(n), 1))[:2]
+    return tuple(_C.gather(pages, _i32(block_table), int(n), cos, sin, *_args(lc, H)))
+
+
+@torch.no_grad()
+def write_kv(lc, pages: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+             page_ids: torch.Tensor) -> None:
+    """Twin of ``paged_torch.write_kv`` (same arguments, bit-identical pages)."""
+    if key.shape[0] == 0:
+        return
+    if not supports(lc, pages):
+        return paged_torch.write_kv(lc, pages, key, value, positions, page_ids)
+    pos = positions.to(torch.int64).contiguous()
+    pid = page_ids.to(torch.int64).contiguous()
+    cos, sin = rope_tables(lc.rope, int(pos.max()) + 1)[:2]
+    kh = key.to(lc.dtype).contiguous()
+    vh = value.to(lc.dtype).contiguous()
+    _C.write_kv(pages, kh, vh, pos, pid, cos, sin, float(lc.rope.scale) ** 2, *_args(lc, key.shape[1]))
+
+
+def nearest(vecs: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """vecs [B, N, v], centroids [B, K, v] -> [B, N] int64: the exact argmin of ``codecs.base``
+    (float32 distances summed in order without FMA, ties to the lowest index)."""
+    if _C is None or vecs.device.type != "cpu":
+        from ..codecs.base import nearest_torch
+
+        return nearest_torch(vecs.float(), centroids.float())
+    return _C.nearest(vecs.float().contiguous(), centroids.float().transpose(1, 2).contiguous())
+
+
+@torch.no_grad()
+def paged_attention(
+    lc,
+    pages: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    batch_invariant: bool = True,
+) -> torch.Tensor:
+    """Drop-in for ``paged_torch.paged_attention`` (same signature and semantics).
+
+    Requests with one query token go to the fused decode kernel in one call (float32; with
+    ``batch_invariant`` they stay on the float64 torch attention, whose result does not depend on
+    batching); the others (prefill chunks) attend with the torch path on K/V gathered by the C++
+    decoder (bit-identical to the torch gather)."""
+    if not supports(lc, pages):
+        return paged_torch.paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens,
+                                           block_tables, scale, out, batch_invariant)
+    if out is None:
+        out = torch.empty_like(query)
+    R = seq_lens.shape[0]
+    if (not batch_invariant and R > 0 and query.shape[0] == R
+            and bool((query_start_loc[1:] - query_start_loc[:-1] == 1).all())):
+        # a pure decode step: one call for the whole batch, no per-request Python
+        return decode_attention(lc, pages, query, key, value, seq_lens, block_tables, scale, out)
+    qsl = query_start_loc.tolist()
+    qlen = [qsl[r + 1] - qsl[r] for r in range(R)]
+    dec = [] if batch_invariant else [r for r in range(R) if qlen[r] == 1]
+    if dec:  # the decode requests of a mixed batch: one fused call
+        rows = torch.tensor([qsl[r] for r in dec], dtype=torch.long, device=query.device)
+        ridx = torch.tensor(dec, dtype=torch.long, device=query.device)
+        o = decode_attention(lc, pages, query[rows], key[rows], value[rows], seq_lens[ridx],
+                             block_tables[ridx], scale)
+        out[rows] = o.to(out.dtype)
+    rest = [r for r in range(R) if r not in set(dec)]
+    if rest:  # prefill chunks: the torch attention on K/V the C++ decoder gathered
+        paged_torch.paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale,
+                                    out, batch_invariant, requests=rest, gather=gather_kv)
+    return out
+
+
+_load()
+
+__all__ = ["available", "decode_attention", "gather_kv", "isa", "nearest", "paged_attention", "set_isa",
+           "supported_isas", "supports", "write_kv"]
