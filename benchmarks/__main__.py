@@ -26,8 +26,22 @@ STEPS = {
     "capacity": (["benchmarks.capacity"], False),
     "retrieval": (["benchmarks.retrieval"], False),
     "kernels": (["benchmarks.kernels"], True),
+    "kernels-cpu": (["benchmarks.kernels_cpu"], False),
     "readme": (["benchmarks.readme"], False),
 }
+
+
+def _full_calibration(path: Path) -> bool:
+    """The default artifact exists and is a full calibration of every format (not the small one
+    `vllm-temporalkv serve` makes on first use)."""
+    from vllm_temporalkv.artifact import Artifact, ArtifactError
+    from vllm_temporalkv.formats import FORMATS
+
+    try:
+        art = Artifact.load(path)
+    except ArtifactError:
+        return False
+    return not art.calibration.get("first_use") and set(FORMATS) <= set(art.formats)
 
 
 def main(argv=None) -> int:
@@ -43,7 +57,7 @@ def main(argv=None) -> int:
     steps = args.only or list(STEPS)
     cmds = []
     default_artifact = resolve_model(None) / "temporalkv" / "calibration.safetensors"
-    if not default_artifact.is_file() and any(s in steps for s in ("quality", "capacity", "retrieval")):
+    if not _full_calibration(default_artifact) and any(s in steps for s in ("quality", "capacity", "retrieval")):
         cmds.append(("calibrate", [sys.executable, "-m", "calibrate"]))
     for name in steps:
         cmd, gpu = STEPS[name]
