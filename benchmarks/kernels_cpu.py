@@ -204,7 +204,9 @@ class VllmBf16:
         self.v, self.H, self.HQ, self.D, self.dtype, self.bs = v, H, HQ, D, dtype, block_size
         per = -(-L // block_size)
         n = B * per
-        self.kv = torch.empty(n, H, block_size, 2 * D, dtype=dtype)  # what vLLM allocates per layer
+        # vLLM zero-fills its KV cache; its op multiplies masked (p = 0) slots' V by the weights, so
+        # uninitialised memory (NaN bit patterns) in a page's unused slots would poison the check.
+        self.kv = torch.zeros(n, H, block_size, 2 * D, dtype=dtype)
         if fill:  # random bf16 values (timing does not depend on them; the check writes through vLLM)
             self.kv.view(-1)[:].normal_()
         self.k, self.v_cache = self.kv.view(n, H, 2 * block_size, D).chunk(2, dim=2)  # as forward() does
