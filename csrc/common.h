@@ -39,7 +39,8 @@ struct Codec {
 struct Layout {
   int H, D, block_size, cap;
   int64_t rec_bytes;  // bytes per (page, head) record
-  int bf16;           // model half dtype: 1 bfloat16, 0 float16
+  int bf16;           // half dtype of the stored sinks/tail/outliers: 1 bfloat16, 0 float16
+  int round;          // the model dtype decoded K/V are rounded to: 1 bfloat16, 0 float16, 2 float32
 };
 
 struct DecodeArgs {
@@ -78,8 +79,8 @@ struct GatherArgs {
   const int32_t* bt;   // one block table row
   const float* cos;    // [P, D/2] (Rope.cos_sin; channels c and c + D/2 share them)
   const float* sin;
-  uint16_t* kout;      // [n, H, D] model half dtype bits
-  uint16_t* vout;
+  void* kout;          // [n, H, D] in the model dtype: half bits, or float32 (round == 2)
+  void* vout;
 };
 
 struct EncodeArgs {

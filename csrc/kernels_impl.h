@@ -103,6 +103,8 @@ inline uint16_t f32_to_bf16(float f) {
 inline float h2f(uint16_t h, int bf16) { return bf16 ? bf16_to_f32(h) : fp16_to_f32(h); }
 inline uint16_t f2h(float f, int bf16) { return bf16 ? f32_to_bf16(f) : f32_to_fp16(f); }
 inline float round_half(float f, int bf16) { return h2f(f2h(f, bf16), bf16); }
+// to the model dtype: mode 1 bfloat16, 0 float16, 2 float32 (nothing to do)
+inline float round_to(float f, int mode) { return mode == 2 ? f : round_half(f, mode); }
 
 // round float32 lanes to the model's half dtype and back (round to nearest even, as torch's casts)
 inline vf vround(vf x, int bf16) {  // bf16: 1 bfloat16, 0 float16, 2 no rounding
@@ -531,7 +533,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
   }
 
   for (int i = 0; i < g * D; ++i) qr[i] = q[i] * a.scale;
-  const int rmode = a.exact ? L.bf16 : 2;  // rounding of decoded K/V to the model dtype
+  const int rmode = a.exact ? L.round : 2;  // rounding of decoded K/V to the model dtype
 
   if (s == 0) {  // exact tokens: sinks, the own block's earlier tokens (the tail), the new token
     alignas(64) float ek[2 * BLOCK * MAX_D], ev[2 * BLOCK * MAX_D];
@@ -652,8 +654,8 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
         // torch path's float32 ops), then rounded to the model dtype: the torch path's decoded keys
         const vf k0 = vload(x0 + t) * sd0 + mn0, k1 = vload(x1 + t) * sd1 + mn1;
         const vf cc = vload(C + t), ss = vload(Sn + t);
-        vstore(x0 + t, vround(k0 * cc + (-k1) * ss, L.bf16));
-        vstore(x1 + t, vround(k1 * cc + k0 * ss, L.bf16));
+        vstore(x0 + t, vround(k0 * cc + (-k1) * ss, L.round));
+        vstore(x1 + t, vround(k1 * cc + k0 * ss, L.round));
       }
     }
     } else {  // faster: rotate by the offset in the tile only; the queries are rotated back by t0
@@ -739,7 +741,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
             const int t = f / D, c = f % D, l = V.chunk;
             const float zd = fp16_to_f32(cb[(c / l) * gstride + bc[b][(t / l) * D + c] * l + t % l]);
             const float zx = zd * vstd[c] + vmean[c];
-            const float dz = h2f(ov[o], L.bf16) - (a.exact ? round_half(zx, L.bf16) : zx);
+            const float dz = h2f(ov[o], L.bf16) - (a.exact ? round_to(zx, L.round) : zx);
             for (int i = 0; i < g; ++i) acc8[((int64_t)i * D + c) * 8 + t] += sc[i * TILE + b * BLOCK + t] * dz;
           }
         }
@@ -846,7 +848,7 @@ void gather_block(const GatherArgs& a, int64_t item) {
       for (int o = 0; o < L.cap; ++o)
         if (oi[o] >= 0) X[oi[o]] = h2f(ov[o], L.bf16);
     }
-    uint16_t* out = (kind ? a.vout : a.kout);
+    void* out = kind ? a.vout : a.kout;
     for (int t = 0; t < BLOCK; ++t) {
       float* x = X + t * D;
       if (kind == 0) {  // x * cos + rotate_half(x) * sin, as Rope.apply
@@ -859,8 +861,14 @@ void gather_block(const GatherArgs& a, int64_t item) {
         }
         x = Y;
       }
-      uint16_t* o = out + ((tok0 + t) * H + h) * D;
-      for (int c = 0; c < D; ++c) o[c] = f2h(x[c], L.bf16);
+      const int64_t o0 = ((tok0 + t) * H + h) * D;
+      if (L.round == 2) {
+        float* o = static_cast<float*>(out) + o0;
+        for (int c = 0; c < D; ++c) o[c] = x[c];
+      } else {
+        uint16_t* o = static_cast<uint16_t*>(out) + o0;
+        for (int c = 0; c < D; ++c) o[c] = f2h(x[c], L.round);
+      }
     }
   }
 }
@@ -1027,7 +1035,7 @@ void encode_item(const EncodeArgs& a, int64_t item) {
           const float m2 = rot * Sn[c % HD];
           Y[c] = (m1 - m2) / a.s2;
         }
-        for (int c = 0; c < D; ++c) x[c] = round_half(Y[c], L.bf16);
+        for (int c = 0; c < D; ++c) x[c] = round_to(Y[c], L.round);
       }
     }
     encode_rows(kind ? a.v : a.k, L, h, X, rec, slot);

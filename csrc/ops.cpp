@@ -74,7 +74,7 @@ void check_f32(const at::Tensor& t, const char* what) {
 }
 
 Layout make_layout(const std::vector<int64_t>& li) {
-  TORCH_CHECK(li.size() == 6, "layout: [H, D, block_size, cap, rec_bytes, bf16]");
+  TORCH_CHECK(li.size() == 7, "layout: [H, D, block_size, cap, rec_bytes, bf16, round]");
   Layout L;
   L.H = (int)li[0];
   L.D = (int)li[1];
@@ -82,6 +82,9 @@ Layout make_layout(const std::vector<int64_t>& li) {
   L.cap = (int)li[3];
   L.rec_bytes = li[4];
   L.bf16 = (int)li[5];
+  L.round = (int)li[6];
+  TORCH_CHECK(L.bf16 == 0 || L.bf16 == 1, "bad stored half dtype");
+  TORCH_CHECK(L.round >= 0 && L.round <= 2, "bad model dtype");
   TORCH_CHECK(L.D % 32 == 0 && L.D <= MAX_D, "head_dim must be a multiple of 32 and <= ", MAX_D);
   TORCH_CHECK(L.block_size % BLOCK == 0 && L.block_size >= 2 * BLOCK, "bad block size");
   TORCH_CHECK(L.cap <= 4 * L.D, "bad outlier cap");
@@ -248,8 +251,8 @@ void decode_attention(const at::Tensor& pages, const at::Tensor& q, const at::Te
   parallel_items(R * H, [&](int64_t i) { kern->decode_merge(a, i); });
 }
 
-// The first n cached tokens of one sequence -> (K post-RoPE, V) [n, H, D] in the model dtype,
-// bit-identical to paged_torch.gather_kv.  cos/sin: [P >= n, D/2] from Rope.cos_sin.
+// The first n cached tokens of one sequence -> (K post-RoPE, V) [n, H, D] in the model dtype (a
+// half dtype, or float32), bit-identical to paged_torch.gather_kv.  cos/sin: [P >= n, D/2] from Rope.cos_sin.
 std::vector<at::Tensor> gather(const at::Tensor& pages, const at::Tensor& block_table, int64_t n,
                                const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& kt,
                                const std::vector<int64_t>& ki, const std::vector<at::Tensor>& vt,
@@ -267,7 +270,9 @@ std::vector<at::Tensor> gather(const at::Tensor& pages, const at::Tensor& block_
   TORCH_CHECK(n >= 0 && n <= block_table.numel() * bs, "n exceeds the block table");
   TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D / 2 && cos.size(0) >= n && sin.sizes() == cos.sizes(),
               "cos/sin: [P >= n, D/2]");
-  const auto dt = a.lay.bf16 ? at::kBFloat16 : at::kHalf;
+  const bool f32 = a.lay.round == 2;
+  const auto dt = f32 ? at::kFloat : a.lay.round == 1 ? at::kBFloat16 : at::kHalf;
+  TORCH_CHECK(f32 || a.lay.round == a.lay.bf16, "a half model stores its own dtype");
   at::Tensor K = at::empty({n, H, D}, pages.options().dtype(dt));
   at::Tensor V = at::empty({n, H, D}, pages.options().dtype(dt));
   if (n == 0) return {K, V};
@@ -278,26 +283,41 @@ std::vector<at::Tensor> gather(const at::Tensor& pages, const at::Tensor& block_
   a.bt = bt;
   a.cos = cos.data_ptr<float>();
   a.sin = sin.data_ptr<float>();
-  auto* ko = reinterpret_cast<uint16_t*>(K.data_ptr());
-  auto* vo = reinterpret_cast<uint16_t*>(V.data_ptr());
-  a.kout = ko;
-  a.vout = vo;
+  a.kout = K.data_ptr();
+  a.vout = V.data_ptr();
   const uint8_t* pg = a.pages;
   auto region = [&](int64_t page, int64_t h, int64_t slot, int kv) {
     return reinterpret_cast<const uint16_t*>(pg + (page * H + h) * a.lay.rec_bytes) + (slot * 2 + kv) * D;
   };
+  // an exact (sink or tail) row: the stored half values, upcast for a float32 model
+  auto copy_row = [&](at::Tensor& out, int64_t t, int64_t h, const uint16_t* src) {
+    const int64_t o = (t * H + h) * D;
+    if (!f32) {
+      std::memcpy(reinterpret_cast<uint16_t*>(out.data_ptr()) + o, src, D * 2);
+      return;
+    }
+    float* dst = out.data_ptr<float>() + o;
+    for (int64_t c = 0; c < D; ++c) {
+      if (a.lay.bf16) {
+        const uint32_t u = (uint32_t)src[c] << 16;
+        std::memcpy(dst + c, &u, 4);
+      } else {
+        dst[c] = static_cast<float>(c10::Half(src[c], c10::Half::from_bits()));
+      }
+    }
+  };
   const int64_t ns = std::min<int64_t>(n, SINKS);
   for (int64_t t = 0; t < ns; ++t)
     for (int64_t h = 0; h < H; ++h) {
-      std::memcpy(ko + (t * H + h) * D, region(bt[0], h, t, 0), D * 2);
-      std::memcpy(vo + (t * H + h) * D, region(bt[0], h, t, 1), D * 2);
+      copy_row(K, t, h, region(bt[0], h, t, 0));
+      copy_row(V, t, h, region(bt[0], h, t, 1));
     }
   const int64_t full = n / BLOCK;
   const int64_t tail0 = std::max<int64_t>(full * BLOCK, SINKS);
   for (int64_t t = tail0; t < n; ++t)
     for (int64_t h = 0; h < H; ++h) {
-      std::memcpy(ko + (t * H + h) * D, region(bt[tail0 / bs], h, TAIL0 + t - tail0, 0), D * 2);
-      std::memcpy(vo + (t * H + h) * D, region(bt[tail0 / bs], h, TAIL0 + t - tail0, 1), D * 2);
+      copy_row(K, t, h, region(bt[tail0 / bs], h, TAIL0 + t - tail0, 0));
+      copy_row(V, t, h, region(bt[tail0 / bs], h, TAIL0 + t - tail0, 1));
     }
   const Kernels* kern = g_kernels;
   if (full > 1) parallel_items((full - 1) * H, [&](int64_t i) { kern->gather_block(a, i); });
@@ -319,7 +339,7 @@ void write_kv(const at::Tensor& pages, const at::Tensor& kh, const at::Tensor& v
   const auto dt = a.lay.bf16 ? at::kBFloat16 : at::kHalf;
   TORCH_CHECK(kh.scalar_type() == dt && vh.scalar_type() == dt && kh.is_contiguous() && vh.is_contiguous() &&
                   kh.sizes() == at::IntArrayRef({N, H, D}) && vh.sizes() == kh.sizes(),
-              "key/value: contiguous [N, H, D] in the model dtype");
+              "key/value: contiguous [N, H, D] in the cache's half dtype");
   TORCH_CHECK(positions.scalar_type() == at::kLong && page_ids.scalar_type() == at::kLong &&
                   positions.is_contiguous() && page_ids.is_contiguous() && positions.numel() == N &&
                   page_ids.numel() == N,

@@ -246,3 +246,26 @@ def test_missing_calibration_extra_names_the_install(parser, model_dir, tmp_path
     p = plan(parser, [str(model_dir), "--kv-cache-dtype", "temporalkv-2bit"], tmp_path)
     with pytest.raises(cli.UsageError, match=r"pip install 'vllm-temporalkv\[calibrate\]'"):
         cli.run_first_use(p, cli.decide_calibration(p))
+
+
+def test_cpu_tuning(parser, model_dir):
+    """On a small CPU without bf16 units, `serve` runs the model in float32 on every core - unless the
+    user chose a dtype / a core binding; a GPU machine is left alone."""
+    p = cli.ServePlan(args=[])
+    cli.tune(p, [], {}, bf16_units=False, cpus=[0, 1])
+    assert p.tuned_args == ["--dtype", "float32"]
+    assert p.tuned_env == {"VLLM_CPU_OMP_THREADS_BIND": "0,1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert len(p.tuned_why) == 2 and "--dtype bfloat16 to override" in p.tuned_why[1]
+    p = cli.ServePlan(args=[])
+    cli.tune(p, ["--dtype=bfloat16"], {"VLLM_CPU_OMP_THREADS_BIND": "0"}, bf16_units=False, cpus=[0, 1])
+    assert p.tuned_args == [] and p.tuned_env == {} and p.tuned_why == []
+    p = cli.ServePlan(args=[])
+    cli.tune(p, [], {}, bf16_units=True, cpus=list(range(8)))
+    assert p.tuned_args == [] and p.tuned_env == {}
+    # what serve hands vLLM parses, and keeps the user's choice
+    p = plan(parser, ["--dtype", "bfloat16"], model_dir)
+    assert p.tuned_args == []
+    p = plan(parser, [], model_dir)
+    ns = parser.parse_args(["serve", *p.args, *p.tuned_args])
+    assert ns.dtype == (p.tuned_args[1] if p.tuned_args else "auto")
+    assert plan(parser, [], model_dir, cuda=True).tuned_args == []

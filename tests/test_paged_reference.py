@@ -88,11 +88,13 @@ def test_two_requests_interleaved_and_attention():
         assert torch.allclose(out[r].float(), ref, atol=2e-2), r
 
 
-@pytest.mark.parametrize("fmt", ["temporalkv-2bit", "kvquant-2bit"])
-def test_attention_does_not_depend_on_chunking(fmt):
+@pytest.mark.parametrize("fmt,dtype", [("temporalkv-2bit", torch.bfloat16), ("kvquant-2bit", torch.bfloat16),
+                                       ("temporalkv-2bit", torch.float32)])
+def test_attention_does_not_depend_on_chunking(fmt, dtype):
     """One prefill, uneven chunks, or token-by-token decode: every token attends to the same
-    K/V (exact own block, decoded earlier blocks), so prefix hits and chunked prefill are safe."""
-    lc = make_cache(fmt, 1, True)
+    K/V (exact own block, decoded earlier blocks), so prefix hits and chunked prefill are safe.
+    float32 models too: a step's own new tokens are seen as the cache stores them (bfloat16)."""
+    lc = make_cache(fmt, 1, True, dtype=dtype)
     H, D, n = 2, 16, 75
     g = torch.Generator().manual_seed(5)
     k, v = torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g)

@@ -213,6 +213,6 @@ def test_bad_artifact_refuses_to_start(smollm2_dir, tiny_artifact, tmp_path):
 
 def test_unsupported_setup_refuses_to_start(smollm2_dir, tiny_artifact):
     s = VLLMServer(smollm2_dir, "--kv-cache-dtype", "temporalkv-2bit", "--max-model-len", str(MAX_LEN),
-                   "--dtype", "float32", env={"VLLM_TEMPORALKV_ARTIFACT": str(tiny_artifact)})
+                   "--block-size", "12", env={"VLLM_TEMPORALKV_ARTIFACT": str(tiny_artifact)})
     assert s.wait_exit(300) not in (None, 0)
-    assert "use --dtype bfloat16" in s.log(), s.log()[-3000:]
+    assert "--block-size must be a multiple of 8" in s.log(), s.log()[-3000:]

@@ -150,7 +150,8 @@ def _codec_args(q, lay, kind: str):
 
 def _layout_args(lc, H: int) -> list[int]:
     lay = lc.layout
-    return [H, lay.head_dim, lay.block_size, lay.cap, lay.bytes, int(lc.dtype == torch.bfloat16)]
+    model = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}[lc.dtype]
+    return [H, lay.head_dim, lay.block_size, lay.cap, lay.bytes, int(lc.store_dtype == torch.bfloat16), model]
 
 
 def _args(lc, H: int):
@@ -184,7 +185,7 @@ def rope_tables(rope, n: int):
 def supports(lc, pages: torch.Tensor | None = None) -> bool:
     """Whether the kernels handle this layer cache (else: the torch path)."""
     D = lc.layout.head_dim
-    return (available() and lc.dtype in (torch.bfloat16, torch.float16) and D % 32 == 0 and D <= 256
+    return (available() and lc.dtype in (torch.bfloat16, torch.float16, torch.float32) and D % 32 == 0 and D <= 256
             and lc.k.outliers == lc.layout.outliers == lc.v.outliers
             and (pages is None or (pages.device.type == "cpu" and pages.dtype == torch.uint8
                                    and pages.is_contiguous())))
@@ -235,8 +236,8 @@ def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Te
     max_tiles = -(-max_len // _C.TILE)
     S = splits or num_splits(R * H, max_tiles)
     q32 = query.float().contiguous()
-    kn = key.to(lc.dtype).float().contiguous()
-    vn = value.to(lc.dtype).float().contiguous()
+    kn = lc.exact(key).float().contiguous()
+    vn = lc.exact(value).float().contiguous()
     o32 = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(R, Hq, D)
     kt, ki, vt, vi, li = _args(lc, H)
     _C.decode_attention(pages, q32, kn, vn, sl, bt, cosT, sinT, o32, kt, ki, vt, vi, li, float(scale), int(S),
@@ -268,8 +269,8 @@ def write_kv(lc, pages: torch.Tensor, key: torch.Tensor, value: torch.Tensor, po
     pos = positions.to(torch.int64).contiguous()
     pid = page_ids.to(torch.int64).contiguous()
     cos, sin = rope_tables(lc.rope, int(pos.max()) + 1)[:2]
-    kh = key.to(lc.dtype).contiguous()
-    vh = value.to(lc.dtype).contiguous()
+    kh = key.to(lc.store_dtype).contiguous()
+    vh = value.to(lc.store_dtype).contiguous()
     _C.write_kv(pages, kh, vh, pos, pid, cos, sin, float(lc.rope.scale) ** 2, *_args(lc, key.shape[1]))
 
 

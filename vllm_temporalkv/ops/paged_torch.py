@@ -39,11 +39,22 @@ class LayerCache:
     k: KVQuantizer
     v: KVQuantizer
     rope: Rope
-    dtype: torch.dtype  # the model's half dtype (region and outlier values)
+    dtype: torch.dtype  # the model's dtype: decoded K/V are rounded to it
 
     @property
     def block_size(self) -> int:
         return self.layout.block_size
+
+    @property
+    def store_dtype(self) -> torch.dtype:
+        """The half dtype of the stored exact values (sinks, tail, outliers): the model's own, or
+        bfloat16 for a float32 model (a float32 region would cost ~12% of the pages' capacity)."""
+        return self.dtype if self.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+    def exact(self, x: torch.Tensor) -> torch.Tensor:
+        """New K/V as the cache will hold them (stored half values) in the model dtype: what a query
+        of this step sees of its own block, exactly what a later step reads back from the tail."""
+        return x.to(self.store_dtype).to(self.dtype)
 
 
 def _encode_blocks(lc: LayerCache, pages, page_ids, block_slots, k_pre, v, ) -> None:
@@ -54,9 +65,9 @@ def _encode_blocks(lc: LayerCache, pages, page_ids, block_slots, k_pre, v, ) -> 
         codes = lay.codes_view(pages, kind)
         codes[page_ids, :, block_slots] = pack_block_codes(q.codec.layout, enc.codes)
         if lay.outliers:
-            idx, val = lay.outlier_views(pages, kind, lc.dtype)
+            idx, val = lay.outlier_views(pages, kind, lc.store_dtype)
             idx[page_ids, :, block_slots] = enc.outlier_idx
-            val[page_ids, :, block_slots] = enc.outlier_val.to(lc.dtype)
+            val[page_ids, :, block_slots] = enc.outlier_val.to(lc.store_dtype)
 
 
 @torch.no_grad()
@@ -74,7 +85,7 @@ def write_kv(
     if key.shape[0] == 0:
         return
     lay = lc.layout
-    region = lay.region_view(pages, lc.dtype)
+    region = lay.region_view(pages, lc.store_dtype)
     pos = positions.long()
     pid = page_ids.long()
     off = pos % BLOCK_TOKENS
@@ -92,7 +103,7 @@ def write_kv(
         src = src[ok]
         same = (pid[src] == pid[ends][ok]) & (pos[src] == pos[ends][ok] - (BLOCK_TOKENS - 1 - r))
         completes_here[src[same]] = True
-    kh, vh = key.to(lc.dtype), value.to(lc.dtype)
+    kh, vh = key.to(lc.store_dtype), value.to(lc.store_dtype)  # as the region holds them
 
     # 2. encode completed blocks: rows from this call's input, or from the tail slots - read
     #    before step 3 writes, which may reuse those slots (a later block of the same page)
@@ -134,7 +145,7 @@ def _encode_completed(lc: LayerCache, pages, region, kh, vh, pos, pid, e) -> Non
 def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n: int):
     """The first n cached tokens of one sequence -> (K post-RoPE, V), each [n, H, D] in lc.dtype."""
     lay = lc.layout
-    region = lay.region_view(pages, lc.dtype)
+    region = lay.region_view(pages, lc.store_dtype)
     H, D = region.shape[1], region.shape[-1]
     K = torch.empty(n, H, D, dtype=lc.dtype, device=pages.device)
     V = torch.empty_like(K)
@@ -153,7 +164,7 @@ def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n:
             packed = lay.codes_view(pages, kind)[pg, :, slot]  # [nblk, H, code_bytes]
             enc = Encoded(unpack_block_codes(q.codec.layout, packed, D), None, None)
             if lay.outliers:
-                idx, val = lay.outlier_views(pages, kind, lc.dtype)
+                idx, val = lay.outlier_views(pages, kind, lc.store_dtype)
                 enc.outlier_idx, enc.outlier_val = idx[pg, :, slot], val[pg, :, slot]
             x = q.decode(enc, T, torch.float32)
             if kind == "k":
@@ -171,10 +182,17 @@ def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n:
 def _decoded_blocks(lc: LayerCache, K: torch.Tensor, V: torch.Tensor, lo: int, hi: int):
     """Encode-decode the whole blocks in positions [lo, hi) of exact K (post-RoPE) / V."""
     pos = torch.arange(lo, hi, device=K.device)
+
+    def stored(q, x):  # encoded as write_kv stores it: outlier values in the stored half dtype
+        enc = q.encode(x)
+        if enc.outlier_val is not None:
+            enc.outlier_val = enc.outlier_val.to(lc.store_dtype)
+        return enc
+
     k_pre = lc.rope.invert(K[lo:hi], pos).to(lc.dtype)
-    kq = lc.rope.apply(lc.k.decode(lc.k.encode(k_pre), hi - lo, torch.float32), pos).to(lc.dtype)
+    kq = lc.rope.apply(lc.k.decode(stored(lc.k, k_pre), hi - lo, torch.float32), pos).to(lc.dtype)
     # decoded exactly as gather_kv decodes a stored block (float32, then the model dtype)
-    vq = lc.v.decode(lc.v.encode(V[lo:hi]), hi - lo, torch.float32).to(lc.dtype)
+    vq = lc.v.decode(stored(lc.v, V[lo:hi]), hi - lo, torch.float32).to(lc.dtype)
     return kq, vq
 
 
@@ -304,8 +322,8 @@ def paged_attention(
             continue
         ctx = n - (b - a)
         kc, vc = gather(lc, pages, block_tables[r], ctx)  # decoded blocks + exact tail
-        K = torch.cat([kc, key[a:b].to(lc.dtype)])
-        V = torch.cat([vc, value[a:b].to(lc.dtype)])
+        K = torch.cat([kc, lc.exact(key[a:b])])
+        V = torch.cat([vc, lc.exact(value[a:b])])
         # blocks this step completes (the context's tail block included) also in decoded form
         lo = max(SINK_TOKENS, ctx // BLOCK_TOKENS * BLOCK_TOKENS)
         hi = n // BLOCK_TOKENS * BLOCK_TOKENS

@@ -94,6 +94,10 @@ class ServePlan:
     auto_calibrate: bool = True
     size: dict = field(default_factory=lambda: dict(FIRST_USE))
     size_given: bool = False
+    # vLLM-on-a-small-CPU settings (cpu_tuning.py), added after the user's own: (args, env, why)
+    tuned_args: list[str] = field(default_factory=list)
+    tuned_env: dict[str, str] = field(default_factory=dict)
+    tuned_why: list[str] = field(default_factory=list)
 
 
 def strip_our_options(args: list[str]) -> tuple[list[str], dict, bool]:
@@ -226,12 +230,31 @@ def plan_serve(args: list[str], *, parser=None, environ=None, cuda: bool | None 
         # vLLM's CPU default asks for most of the machine's memory and refuses to start when other
         # processes hold some of it
         plan.env["VLLM_CPU_KVCACHE_SPACE"] = DEFAULT_CPU_KV_GIB
+    if not cuda:
+        tune(plan, args, environ)
     plan.kv_cache_dtype = ns.kv_cache_dtype or (DEFAULT_FORMAT if plan.default_model and model is None else "auto")
     extra = ns.additional_config if isinstance(ns.additional_config, dict) else {}
     plan.explicit_artifact = extra.get("temporalkv_artifact") or environ.get(ENV_ARTIFACT) or None
     if plan.kv_cache_dtype not in FORMATS:
         plan.auto_calibrate = False
     return plan
+
+
+def tune(plan: ServePlan, args: list[str], environ, *, bf16_units: bool | None = None,
+         cpus: list[int] | None = None) -> None:
+    """The CPU settings that serve fastest here (cpu_tuning.py), where the user chose none."""
+    from . import cpu_tuning
+
+    plan.tuned_env = cpu_tuning.serving_env(environ, cpus=cpus)
+    if plan.tuned_env:
+        plan.tuned_why.append(f"the model runs on all {len(plan.tuned_env['VLLM_CPU_OMP_THREADS_BIND'].split(','))} "
+                              "CPUs of this small machine (VLLM_CPU_OMP_THREADS_BIND=... to choose)")
+    if not any(a == "--dtype" or a.startswith("--dtype=") for a in args):
+        dtype = cpu_tuning.default_dtype(bf16_units)
+        if dtype:
+            plan.tuned_args = ["--dtype", dtype]
+            plan.tuned_why.append(f"--dtype {dtype}: this CPU has no bf16 units, and float32 serves ~4x faster "
+                                  "here (--dtype bfloat16 to override)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,11 +435,13 @@ def prepare_serve(args: list[str]) -> list[str]:
     except (SystemExit, ValueError):  # vLLM's parser refuses these arguments: let it say why
         stripped, _, _ = strip_our_options(args)
         return stripped
-    for k, v in plan.env.items():
+    for k, v in {**plan.env, **plan.tuned_env}.items():
         os.environ.setdefault(k, v)
     if plan.env:
         say("no CUDA: " + " ".join(f"{k}={v}" for k, v in plan.env.items())
             + " (GiB of KV cache; set it, or --kv-cache-memory-bytes, for another size)")
+    for why in plan.tuned_why:
+        say(why)
     if plan.default_model:
         say(f"serving the embedded SmolLM2-135M-Instruct ({plan.model_dir}) with --kv-cache-dtype "
             f"{plan.kv_cache_dtype}")
@@ -429,7 +454,7 @@ def prepare_serve(args: list[str]) -> list[str]:
             "not recalibrating")
     elif plan.kv_cache_dtype in FORMATS:
         say(f"no calibration here: {decision.reason}")
-    return plan.args
+    return plan.args + plan.tuned_args
 
 
 def main() -> int:

