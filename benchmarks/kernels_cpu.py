@@ -49,7 +49,7 @@ its SIMD flags and the C++ kernel variant ``ops.cpu.isa()``).
 
 Results: ``benchmarks/results/kernels-cpu.{json,md,png}``; headline figures
 ``kernels.cpu.<b{B}-l{L} | smollm2-b{B}-l{L} | prefill{Q}-at{O} | smollm2-prefill{Q}-at{O}>.<format>.
-speedup_vs_vllm_bf16`` and ``.speedup_vs_torch`` for the formats in HEADLINE_FORMATS at HEADLINE_POINTS
+speedup_vs_vllm`` and ``.speedup_vs_torch`` for the formats in HEADLINE_FORMATS at HEADLINE_POINTS
 and the prefill, merged into headline.json.  ``--smoke``: tiny configurations through the same code,
 written to ``--out`` (a temp dir by default, never benchmarks/results), no headline; timings meaningless.
 """
@@ -304,9 +304,16 @@ def compressed_bytes(lc, B: int, L: int, H: int, HQ: int, Q: int = 1) -> dict:
     return parts
 
 
-def dense_bytes(B: int, L: int, H: int, HQ: int, D: int, Q: int = 1) -> int:
-    """A bf16 cache read: all K and V of L tokens, plus the queries."""
-    return B * (2 * H * L + Q * HQ) * D * 2
+DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
+
+
+def _isz(dt: str) -> int:
+    return DTYPES[dt].itemsize
+
+
+def dense_bytes(B: int, L: int, H: int, HQ: int, D: int, Q: int = 1, size: int = 2) -> int:
+    """An uncompressed cache read (size bytes per value): all K and V of L tokens, plus the queries."""
+    return B * (2 * H * L + Q * HQ) * D * size
 
 
 # ---- one configuration -------------------------------------------------------------------------------
@@ -326,7 +333,7 @@ def bench_baselines(a, vop: dict, shape: str, B: int, L: int, Q: int, dtype, tim
     sh = SHAPES[shape]
     H, HQ, D = sh["h"], sh["hq"], sh["d"]
     scale = D ** -0.5
-    res = dict(dense_bytes=dense_bytes(B, L, H, HQ, D, Q), vllm_bf16_ms=None, sdpa_bf16_ms=None)
+    res = dict(dense_bytes=dense_bytes(B, L, H, HQ, D, Q, dtype.itemsize), vllm_ms=None, sdpa_ms=None)
     torch.manual_seed(a.seed + 3)
     q = torch.randn(B * Q, HQ, D).to(dtype)
     qsl = torch.arange(0, B * Q + 1, Q, dtype=torch.int32)
@@ -343,7 +350,7 @@ def bench_baselines(a, vop: dict, shape: str, B: int, L: int, Q: int, dtype, tim
         res["vllm_metadata_ms"] = (time.perf_counter() - t) * 1e3
         out = torch.empty_like(q)
         tm = timer(lambda: base(q, qsl, sl, md, out))
-        res.update(vllm_bf16_ms=tm["ms"], vllm_bf16_min_ms=tm["min_ms"], vllm_bf16_reps=tm["reps"],
+        res.update(vllm_ms=tm["ms"], vllm_min_ms=tm["min_ms"], vllm_reps=tm["reps"],
                    vllm_block_size=a.vllm_block_size, vllm_isa=vop["isa"])
         del base, md, out
         gc.collect()
@@ -357,7 +364,7 @@ def bench_baselines(a, vop: dict, shape: str, B: int, L: int, Q: int, dtype, tim
             mask = torch.arange(L)[None, :] <= (L - Q + torch.arange(Q))[:, None]
             tm = timer(lambda: torch.nn.functional.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale,
                                                                                 enable_gqa=True))
-        res.update(sdpa_bf16_ms=tm["ms"], sdpa_bf16_reps=tm["reps"])
+        res.update(sdpa_ms=tm["ms"], sdpa_reps=tm["reps"])
         del k, v
         gc.collect()
     return res
@@ -408,26 +415,26 @@ def bench_format(a, lc, shape: str, fmt: str, B: int, L: int, Q: int, timer, bas
                                                        batch_invariant=False))
     ms = cpp["ms"]
     parts = compressed_bytes(lc, B, L, H, HQ, Q)
-    vms, sms = base.get("vllm_bf16_ms"), base.get("sdpa_bf16_ms")
+    vms, sms = base.get("vllm_ms"), base.get("sdpa_ms")
     gbps, vgbps = _gbps(parts["total"], ms), _gbps(base["dense_bytes"], vms)
     row.update(
         cpp_ms=ms, cpp_min_ms=cpp["min_ms"], cpp_reps=cpp["reps"],
         torch_ms=tp and tp["ms"], torch_reps=tp and tp["reps"],
-        vllm_bf16_ms=vms, sdpa_bf16_ms=sms,
-        speedup_vs_torch=_ratio(tp and tp["ms"], ms), speedup_vs_vllm_bf16=_ratio(vms, ms),
-        speedup_vs_sdpa_bf16=_ratio(sms, ms),
+        vllm_ms=vms, sdpa_ms=sms,
+        speedup_vs_torch=_ratio(tp and tp["ms"], ms), speedup_vs_vllm=_ratio(vms, ms),
+        speedup_vs_sdpa=_ratio(sms, ms),
         bytes_read=parts["total"], bytes_breakdown=parts,
         bytes_per_token=parts["total"] / (B * L),  # per cached token and layer, everything included
         code_bytes_per_token=2 * H * lay.code_bytes / BLOCK,  # asymptotic: codes (K and V) only
-        bf16_bytes_per_token=2 * H * D * 2,
-        dense_bytes=base["dense_bytes"], cpp_gbps=gbps, vllm_bf16_gbps=vgbps,
-        cpp_bw_fraction=gbps / bw["copy_gbps"], vllm_bf16_bw_fraction=vgbps and vgbps / bw["copy_gbps"],
+        dense_bytes_per_token=2 * H * D * dtype.itemsize,
+        dense_bytes=base["dense_bytes"], cpp_gbps=gbps, vllm_gbps=vgbps,
+        cpp_bw_fraction=gbps / bw["copy_gbps"], vllm_bw_fraction=vgbps and vgbps / bw["copy_gbps"],
         tokens_per_s=B * Q / (ms * 1e-3),
     )
     if Q == 1 and cpp_ops_has_splits():
         row["cpp_splits"] = cpu_ops.num_splits(B * H, -(-L // cpu_ops._C.TILE))
     for k in ("vllm_check_err", "vllm_check_tol", "vllm_check_ok", "vllm_check", "vllm_isa", "vllm_block_size",
-              "vllm_metadata_ms", "vllm_bf16_reps", "sdpa_bf16_reps"):
+              "vllm_metadata_ms", "vllm_reps", "sdpa_reps"):
         if k in base:
             row[k] = base[k]
     return row
@@ -440,11 +447,14 @@ def cpp_ops_has_splits() -> bool:
 # ---- reporting ---------------------------------------------------------------------------------------
 
 
-def row_key(r: dict) -> str:
+def row_key(r: dict, dt: str = "bf16") -> str:
+    """The headline's shape key; a float32 run's keys start with f32- (bf16 keys as before)."""
     if r["kind"] == "decode":
-        return shape_key(r["shape"], r["B"], r["L"])
-    k = f"prefill{r['Q']}-at{r['offset']}"
-    return k if r["shape"] == "llama8b" else f"{r['shape']}-{k}"
+        k = shape_key(r["shape"], r["B"], r["L"])
+    else:
+        k = f"prefill{r['Q']}-at{r['offset']}"
+        k = k if r["shape"] == "llama8b" else f"{r['shape']}-{k}"
+    return k if dt == "bf16" else f"{dt}-{k}"
 
 
 def headline_figures(report: dict) -> dict:
@@ -454,9 +464,11 @@ def headline_figures(report: dict) -> dict:
             continue
         if r["kind"] == "decode" and (r["B"], r["L"]) not in HEADLINE_POINTS:
             continue
-        for metric in ("speedup_vs_vllm_bf16", "speedup_vs_torch"):
-            if r.get(metric) is not None and (metric != "speedup_vs_vllm_bf16" or r.get("vllm_check_ok")):
-                out[f"kernels.cpu.{row_key(r)}.{r['format']}.{metric}"] = r[metric]
+        dt = report["settings"]["dtype"]
+        for metric in ("speedup_vs_vllm", "speedup_vs_torch"):
+            if r.get(metric) is not None and (metric != "speedup_vs_vllm" or r.get("vllm_check_ok")):
+                name = f"speedup_vs_vllm_{dt}" if metric == "speedup_vs_vllm" else metric
+                out[f"kernels.cpu.{row_key(r, dt)}.{r['format']}.{name}"] = r[metric]
     return out
 
 
@@ -466,7 +478,8 @@ def _f(x, spec):
 
 def markdown(report: dict) -> str:
     s, m, bw = report["settings"], report["machine"], report["bandwidth"]
-    lines = ["# CPU kernels: C++ decode from the codes vs the torch path and vLLM's bf16 CPU attention", ""]
+    dt = s["dtype"]
+    lines = [f"# CPU kernels: C++ decode from the codes vs the torch path and vLLM's {dt} CPU attention", ""]
     if report["smoke"]:
         lines += ["**SMOKE RUN: tiny shapes. Timings are meaningless; only the checks count.**", ""]
     if not report["cpp_available"]:
@@ -481,7 +494,7 @@ def markdown(report: dict) -> str:
         f"{report['cpp_isa']}; vLLM: "
         + (f"{v['version']}, CPU attention ISA `{v['isa']}`, block size {s['vllm_block_size']}, "
            f"split-KV {v['split_kv']}"
-           if "error" not in v else f"**not called: {v['error']}** (ratios vs SDPA on dense bf16 K/V)") + "  ",
+           if "error" not in v else f"**not called: {v['error']}** (ratios vs SDPA on dense {dt} K/V)") + "  ",
         f"Timer: {report['timer']}, median of up to {s['reps']} runs (at most {s['budget_s']} s, at least "
         f"{s['min_reps']}); copy bandwidth {bw['copy_gbps']:.1f} GB/s (STREAM-like: read + write of a "
         f"{bw['copy_bytes'] >> 20} MiB copy), read-only {bw['read_gbps']:.1f} GB/s.  ",
@@ -490,10 +503,10 @@ def markdown(report: dict) -> str:
         "",
         "One layer, the step's attention (cache update not timed).  C++ = `ops.cpu.paged_attention` (decode: the "
         "fused kernel from the codes; prefill: torch attention on C++-gathered K/V), torch = "
-        "`ops.paged_torch.paged_attention`, both `batch_invariant=False`; vLLM bf16 = "
-        "`torch.ops._C.cpu_attention_with_kv_cache` on a bf16 paged cache of the same B x L; SDPA = torch SDPA on "
-        "dense bf16 K/V.  x = baseline ms / C++ ms.  B/tok = bytes read per cached token and layer (codes + "
-        "sinks/tail + centroids once + ..., all included; codes alone in brackets) vs bf16 K+V = 2·Hkv·D·2.  "
+        f"`ops.paged_torch.paged_attention`, both `batch_invariant=False`; vLLM {dt} = "
+        f"`torch.ops._C.cpu_attention_with_kv_cache` on a {dt} paged cache of the same B x L; SDPA = torch SDPA on "
+        f"dense {dt} K/V.  x = baseline ms / C++ ms.  B/tok = bytes read per cached token and layer (codes + "
+        f"sinks/tail + centroids once + ..., all included; codes alone in brackets) vs {dt} K+V = 2·Hkv·D·{_isz(dt)}.  "
         "GB/s = those bytes / time; frac = of the copy bandwidth.  err = max |C++ - torch| on the check slice.",
         "",
     ]
@@ -503,20 +516,20 @@ def markdown(report: dict) -> str:
         if not rows:
             continue
         lines += [f"## {shape}: {sh['hq']} query / {sh['h']} KV heads, head_dim {sh['d']}", "",
-                  "| step | B | L | format | C++ ms | torch ms | vLLM bf16 ms | SDPA ms | x vLLM bf16 | x torch | "
-                  "x SDPA | B/tok (codes) | bf16 B/tok | C++ GB/s (frac) | vLLM GB/s (frac) | err (tol) |",
+                  f"| step | B | L | format | C++ ms | torch ms | vLLM {dt} ms | SDPA ms | x vLLM {dt} | x torch | "
+                  f"x SDPA | B/tok (codes) | {dt} B/tok | C++ GB/s (frac) | vLLM GB/s (frac) | err (tol) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             ok = "" if r["check_ok"] else " **FAIL**"
             step = "decode" if r["kind"] == "decode" else f"prefill {r['Q']}@{r['offset']}"
             lines.append(
                 f"| {step} | {r['B']} | {r['L']} | {r['format']} | {r['cpp_ms']:.3f} | {_f(r['torch_ms'], '.3f')} | "
-                f"{_f(r['vllm_bf16_ms'], '.3f')} | {_f(r['sdpa_bf16_ms'], '.3f')} | "
-                f"**{_f(r['speedup_vs_vllm_bf16'], '.2f')}** | {_f(r['speedup_vs_torch'], '.2f')} | "
-                f"{_f(r['speedup_vs_sdpa_bf16'], '.2f')} | "
+                f"{_f(r['vllm_ms'], '.3f')} | {_f(r['sdpa_ms'], '.3f')} | "
+                f"**{_f(r['speedup_vs_vllm'], '.2f')}** | {_f(r['speedup_vs_torch'], '.2f')} | "
+                f"{_f(r['speedup_vs_sdpa'], '.2f')} | "
                 f"{r['bytes_per_token']:.0f} ({r['code_bytes_per_token']:.0f}) | "
-                f"{r['bf16_bytes_per_token']} | {r['cpp_gbps']:.1f} ({r['cpp_bw_fraction']:.2f}) | "
-                f"{_f(r['vllm_bf16_gbps'], '.1f')} ({_f(r['vllm_bf16_bw_fraction'], '.2f')}) | "
+                f"{r['dense_bytes_per_token']} | {r['cpp_gbps']:.1f} ({r['cpp_bw_fraction']:.2f}) | "
+                f"{_f(r['vllm_gbps'], '.1f')} ({_f(r['vllm_bw_fraction'], '.2f')}) | "
                 f"{r['max_abs_err']:.1e} ({r['tol']:.0e}){ok} |")
         vc = [r for r in rows if r.get("vllm_check_err") is not None]
         if vc:
@@ -529,7 +542,7 @@ def markdown(report: dict) -> str:
         if pre:
             lines += ["", "Prefill, queries/s: " + ", ".join(
                 f"C++ {r['format']} {r['tokens_per_s']:.0f}" for r in pre) + (
-                f"; vLLM bf16 {pre[0]['Q'] / (pre[0]['vllm_bf16_ms'] * 1e-3):.0f}" if pre[0]["vllm_bf16_ms"] else "")
+                f"; vLLM {dt} {pre[0]['Q'] / (pre[0]['vllm_ms'] * 1e-3):.0f}" if pre[0]["vllm_ms"] else "")
                 + "."]
         lines.append("")
     if report.get("headline"):
@@ -538,6 +551,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
+    dt = report["settings"]["dtype"]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -564,11 +578,11 @@ def plot(report: dict, path: Path) -> None:
                 if any(r["torch_ms"] is not None for r in pts):
                     at.plot(Ls, [r["torch_ms"] if r["torch_ms"] is not None else math.nan for r in pts], "^:",
                             color=f"C{k}", alpha=0.6, label=f"torch {f}")
-                asp.plot(Ls, [r["speedup_vs_vllm_bf16"] if r["speedup_vs_vllm_bf16"] is not None else math.nan
-                              for r in pts], "o-", color=f"C{k}", label=f"{f} vs vLLM bf16")
+                asp.plot(Ls, [r["speedup_vs_vllm"] if r["speedup_vs_vllm"] is not None else math.nan
+                              for r in pts], "o-", color=f"C{k}", label=f"{f} vs vLLM {dt}")
             base = {r["L"]: r for r in sel}
             Ls = sorted(base)
-            for key, style, name in (("vllm_bf16_ms", "kx--", "vLLM bf16"), ("sdpa_bf16_ms", "k+:", "SDPA bf16")):
+            for key, style, name in (("vllm_ms", "kx--", f"vLLM {dt}"), ("sdpa_ms", "k+:", f"SDPA {dt}")):
                 ys = [base[x][key] if base[x][key] is not None else math.nan for x in Ls]
                 if not all(math.isnan(y) for y in ys):
                     at.plot(Ls, ys, style, label=name)
@@ -581,11 +595,11 @@ def plot(report: dict, path: Path) -> None:
             asp.set_xlabel("context L (tokens)")
             if j == 0:
                 at.set_ylabel("time per layer (ms)")
-                asp.set_ylabel("speedup vs vLLM bf16")
+                asp.set_ylabel(f"speedup vs vLLM {dt}")
         axes[2 * i][0].legend(fontsize=6)
         axes[2 * i + 1][0].legend(fontsize=6)
     m = report["machine"]
-    fig.suptitle(f"CPU decode from codes vs vLLM bf16, {m['model']}, {m['torch_threads']} threads, "
+    fig.suptitle(f"CPU decode from codes vs vLLM {dt}, {m['model']}, {m['torch_threads']} threads, "
                  f"C++ {report['cpp_isa']}" + (" (SMOKE: timings meaningless)" if report["smoke"] else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -598,8 +612,8 @@ def plot(report: dict, path: Path) -> None:
 def _print_row(r: dict) -> None:
     step = "decode" if r["kind"] == "decode" else f"prefill {r['Q']}@{r['offset']}"
     print(f"{r['shape']} {step} B={r['B']} L={r['L']} {r['format']}: C++ {r['cpp_ms']:.3f} ms, "
-          f"torch {_f(r['torch_ms'], '.3f')}, vLLM bf16 {_f(r['vllm_bf16_ms'], '.3f')}, "
-          f"x{_f(r['speedup_vs_vllm_bf16'], '.2f')} vLLM, x{_f(r['speedup_vs_torch'], '.2f')} torch, "
+          f"torch {_f(r['torch_ms'], '.3f')}, vLLM {_f(r['vllm_ms'], '.3f')}, "
+          f"x{_f(r['speedup_vs_vllm'], '.2f')} vLLM, x{_f(r['speedup_vs_torch'], '.2f')} torch, "
           f"{r['cpp_gbps']:.1f} GB/s, err {r['max_abs_err']:.1e}{'' if r['check_ok'] else ' FAIL'}"
           + ("" if r.get("vllm_check_ok", True) else " (vLLM check FAIL)"), flush=True)
 
@@ -618,7 +632,7 @@ def run(a) -> dict:
     if not cpp and not a.smoke:
         sys.exit(f"the C++ CPU kernels did not load ({cpu_ops._LOAD_ERROR}); build them "
                  "(pip install --no-build-isolation -e . --no-deps) or use --smoke")
-    dtype = torch.bfloat16
+    dtype = DTYPES[a.dtype]
     vops = {}
     timer = Timer(a.reps, a.warmup, a.flush_bytes, a.budget_s, a.min_reps)
     bw = bandwidth(a.copy_bytes, a.reps)
@@ -626,7 +640,7 @@ def run(a) -> dict:
     print(f"{machine['model']}: {machine['torch_threads']} threads, SIMD {' '.join(machine['simd'])}, C++ "
           f"{cpu_ops.isa()}; copy {bw['copy_gbps']:.1f} GB/s, read {bw['read_gbps']:.1f} GB/s", flush=True)
     settings = dict(shapes=a.shapes, batch=a.batch, context=a.context, prefill=a.prefill, formats=a.formats,
-                    dtype="bf16", block_size=a.block_size, vllm_block_size=a.vllm_block_size, hybrid_k=a.hybrid_k,
+                    dtype=a.dtype, block_size=a.block_size, vllm_block_size=a.vllm_block_size, hybrid_k=a.hybrid_k,
                     reps=a.reps, warmup=a.warmup, min_reps=a.min_reps, budget_s=a.budget_s,
                     check_requests=a.check_requests, check_tokens=a.check_tokens, check_queries=a.check_queries,
                     flush_bytes=a.flush_bytes, copy_bytes=a.copy_bytes, torch_path=a.torch_path, sdpa=a.sdpa,
@@ -635,6 +649,7 @@ def run(a) -> dict:
                   cpp_supported_isas=cpu_ops.supported_isas(), cpp_load_error=cpu_ops._LOAD_ERROR,
                   vllm=None, timer=timer.mode, bandwidth=bw, rows=[], run=run_record())
     out = Path(a.out)
+    stem = "kernels-cpu" if a.dtype == "bf16" else f"kernels-cpu-{a.dtype}"
     configs = [(B, L, 1) for B in a.batch for L in a.context]
     if a.prefill:
         Q, O = (int(x) for x in a.prefill.split("@"))
@@ -644,7 +659,7 @@ def run(a) -> dict:
         vop = vops.setdefault(D, load_vllm_op(dtype, D, a.vllm_block_size))
         report["vllm"] = {k: v for k, v in vop.items() if k != "ops"}
         if "error" in vop:
-            print(f"vLLM's CPU attention cannot be called: {vop['error']}; ratios vs SDPA bf16", flush=True)
+            print(f"vLLM's CPU attention cannot be called: {vop['error']}; ratios vs SDPA {a.dtype}", flush=True)
         caches = {f: make_layer_cache(shape, f, dtype, a.block_size, a.hybrid_k, torch.device("cpu"), a.seed)
                   for f in a.formats}
         for B, L, Q in configs:
@@ -655,12 +670,12 @@ def run(a) -> dict:
                 r = bench_format(a, lc, shape, f, B, L, Q, timer, base, bw)
                 report["rows"].append(r)
                 _print_row(r)
-                write_json(out / "kernels-cpu.json", report)  # partial results survive an interruption
+                write_json(out / f"{stem}.json", report)  # partial results survive an interruption
     report["headline"] = None if a.smoke or a.no_headline else headline_figures(report)
-    write_json(out / "kernels-cpu.json", report)
+    write_json(out / f"{stem}.json", report)
     md = markdown(report)
-    (out / "kernels-cpu.md").write_text(md)
-    plot(report, out / "kernels-cpu.png")
+    (out / f"{stem}.md").write_text(md)
+    plot(report, out / f"{stem}.png")
     if report["headline"]:
         merge_headline(report["headline"])
     print()
@@ -687,7 +702,7 @@ def main(argv=None):
                    help=f"default: {' '.join(DEFAULT_FORMATS)}; a '-o1' suffix adds the 1%% outliers")
     p.add_argument("--block-size", type=int, default=None,
                    help=f"compressed page size (default {DEFAULT_BLOCK_SIZE}; smoke: 16)")
-    p.add_argument("--vllm-block-size", type=int, default=VLLM_BLOCK_SIZE, help="vLLM bf16 cache block size")
+    p.add_argument("--vllm-block-size", type=int, default=VLLM_BLOCK_SIZE, help="vLLM cache block size")
     p.add_argument("--hybrid-k", action="store_true", help="K channel-chunked (the hybrid's channel layers)")
     p.add_argument("--reps", type=int, default=None, help="timed runs at most (default 30; smoke: 2)")
     p.add_argument("--min-reps", type=int, default=None, help="timed runs at least (default 3; smoke: 1)")
@@ -700,7 +715,10 @@ def main(argv=None):
     p.add_argument("--flush-mib", type=int, default=None, help="cache flush between runs (default 2 x L3; 0: none)")
     p.add_argument("--copy-mib", type=int, default=None, help="copy bandwidth tensor (default 1024; smoke: 16)")
     p.add_argument("--no-torch-path", dest="torch_path", action="store_false", help="skip timing the torch path")
-    p.add_argument("--no-sdpa", dest="sdpa", action="store_false", help="skip SDPA on dense bf16 K/V")
+    p.add_argument("--no-sdpa", dest="sdpa", action="store_false", help="skip SDPA on dense K/V")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16",
+                   help="model dtype of both caches (f32: what serves fastest on CPUs without bf16 units); f32 "
+                   "results go to kernels-cpu-f32.*, headline keys kernels.cpu.f32-...speedup_vs_vllm_f32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-headline", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny configurations through the same code")

@@ -116,17 +116,22 @@ def fisher_table(h: dict) -> list[str]:
 def cpu_kernels_table(h: dict) -> list[str]:
     rows: dict[tuple[str, str], dict[str, float]] = {}
     for k, v in h.items():
-        m = re.fullmatch(r"kernels\.cpu\.([^.]+)\.([^.]+)\.(speedup_vs_vllm_bf16|speedup_vs_torch)", k)
+        m = re.fullmatch(r"kernels\.cpu\.([^.]+)\.([^.]+)\.(speedup_vs_vllm_(?:bf16|f32)|speedup_vs_torch)", k)
         if m:
-            rows.setdefault((m.group(1), m.group(2)), {})[m.group(3)] = v
+            step = m.group(1)
+            dt = "f32" if step.startswith("f32-") else "bf16"
+            metric = "vllm" if m.group(3).startswith("speedup_vs_vllm") else "torch"
+            rows.setdefault((dt, step.removeprefix("f32-"), m.group(2)), {})[metric] = v
     if not rows:
         return []
-    out = ["**CPU attention kernels, one layer** (C++ from the codes ÷ vLLM's own CPU attention on a bf16 cache, "
-           "and ÷ the torch path, timed side by side; Llama-3.1-8B shapes unless marked smollm2; details and the "
-           "machine in [benchmarks/results/kernels-cpu.md](benchmarks/results/kernels-cpu.md))", "",
-           "| step | format | speedup vs vLLM bf16 | speedup vs torch path |", "|---|---|---|---|"]
-    for (step, f), r in sorted(rows.items()):
-        out.append(f"| {step} | {f} | {_fmt(r.get('speedup_vs_vllm_bf16'))} | {_fmt(r.get('speedup_vs_torch'), 1)} |")
+    out = ["**CPU attention kernels, one layer** (C++ from the codes ÷ vLLM's own CPU attention on a cache of the "
+           "model's dtype, and ÷ the torch path, timed side by side; Llama-3.1-8B shapes unless marked smollm2; "
+           "details and the machine in [benchmarks/results/kernels-cpu.md](benchmarks/results/kernels-cpu.md) (bf16) "
+           "and [kernels-cpu-f32.md](benchmarks/results/kernels-cpu-f32.md) (float32, what serves fastest on CPUs "
+           "without bf16 units))", "",
+           "| model dtype | step | format | speedup vs vLLM (same dtype) | speedup vs torch path |", "|---|---|---|---|---|"]
+    for (dt, step, f), r in sorted(rows.items()):
+        out.append(f"| {dt} | {step} | {f} | {_fmt(r.get('vllm'))} | {_fmt(r.get('torch'), 1)} |")
     return out + [""]
 
 

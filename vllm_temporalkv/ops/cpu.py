@@ -43,7 +43,10 @@ logger = logging.getLogger("vllm.temporalkv")
 METHOD_IDS = {"temporal": 0, "channel": 1, "scalar": 2}
 ABI_VERSION = 5  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
 MIN_TILES_PER_SPLIT = 8  # split-K: at least 8 tiles (256 tokens) per split
-EXACT = os.environ.get("VLLM_TEMPORALKV_CPU_EXACT", "1") != "0"  # decode_attention's default (see there)
+# decode_attention's default for half models (see there); float32 models default to the composed RoPE:
+# with no model-dtype rounding to reproduce, both variants agree to float32 rounding (~1e-6)
+_EXACT_ENV = os.environ.get("VLLM_TEMPORALKV_CPU_EXACT")
+EXACT = _EXACT_ENV != "0"
 
 _C = None
 _LOAD_ERROR: str | None = None
@@ -212,7 +215,8 @@ def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Te
     """One query token per request: query [R, Hq, D], this step's key/value [R, Hkv, D], seq_lens [R]
     (cached + the new token), block_tables [R, P].  Reads the pages before this step's write_kv.
 
-    exact (default: ``EXACT``): decoded K/V are computed as the torch path computes them (the same float32
+    exact (default: ``EXACT`` for a half model; False for a float32 one, unless VLLM_TEMPORALKV_CPU_EXACT is
+    set - there is no model-dtype rounding to reproduce, so both agree to float32 rounding): decoded K/V are computed as the torch path computes them (the same float32
     ops and per-position RoPE tables, then rounded to the model dtype), so outputs match its float64
     attention to ~1e-6.  exact=False is ~1.3-1.5x faster: keys rotated as R(tile start) R(offset) and K/V
     not rounded to the model dtype - a different rounding of the decoded values, up to ~1% on single
@@ -232,7 +236,7 @@ def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Te
     max_len = int(sl.max())
     cosT, sinT, tcos, tsin, dcos, dsin = rope_tables(lc.rope, max_len + _C.TILE)[2:]
     if exact is None:
-        exact = EXACT
+        exact = EXACT if lc.dtype != torch.float32 or _EXACT_ENV is not None else False
     max_tiles = -(-max_len // _C.TILE)
     S = splits or num_splits(R * H, max_tiles)
     q32 = query.float().contiguous()
