@@ -238,12 +238,12 @@ def fill_pages(lc, B: int, L: int, H: int, D: int, device):
     per = -(-L // lay.block_size)
     n = B * per
     pages = torch.randint(0, 256, (n, H, lay.bytes), dtype=torch.uint8, device=device)
-    region = lay.region_view(pages, lc.dtype)
+    region = lay.region_view(pages, lc.store_dtype)
     region.copy_(torch.randn(region.shape, dtype=lc.dtype, device=device))
     if lay.outliers:
         stride = BLOCK * D // lay.cap  # distinct positions per block (real encodes never repeat one)
         for kind in "kv":
-            idx, val = lay.outlier_views(pages, kind, lc.dtype)
+            idx, val = lay.outlier_views(pages, kind, lc.store_dtype)
             start = torch.randint(0, stride, idx.shape[:-1] + (1,), device=device)
             idx.copy_((start + torch.arange(lay.cap, device=device) * stride).to(torch.int16))
             val.copy_(torch.randn(val.shape, dtype=lc.dtype, device=device) * 4)
