@@ -60,7 +60,7 @@ def _env(args) -> dict:
 def _error_line(log: str, rc: int) -> str:
     """The root cause: the last error line that is not vLLM's "engine core initialization failed, see
     above" wrapper (e.g. fp8 on a CPU without AVX-512: 'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.')."""
-    lines = [ln for ln in log.splitlines() if re.search(r"Error|error:|refus", ln)]
+    lines = [ln for ln in log.splitlines() if re.search(r"\w(Error|Exception): |error:|refus", ln)]
     root = [ln for ln in lines if "See root cause" not in ln and "initialization failed" not in ln]
     return ((root or lines)[-1] if lines else f"exit code {rc}")[-500:]
 
@@ -183,6 +183,21 @@ def plot(rep: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def rerender(out: Path) -> None:
+    """The tables and plot again from a finished run (an error re-read from its kept log)."""
+    rep = json.loads((out / "throughput.json").read_text())
+    for key, fm in rep["offline"].items():
+        i, o = key.split(":")[0].split("-")
+        for fmt, r in fm.items():
+            log = out / "throughput-runs" / f"throughput-{fmt}-{i}-{o}.log"
+            if "error" in r and log.is_file():
+                r["error"] = _error_line(log.read_text(), 1)
+    write_json(out / "throughput.json", rep)
+    write_markdown(rep, out / "throughput.md")
+    plot(rep, out / "throughput.png")
+    print((out / "throughput.md").read_text())
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.throughput", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
@@ -211,7 +226,11 @@ def main(argv=None):
     p.add_argument("--kv-space-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE on the CPU")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--rerender", action="store_true",
+                   help="rewrite throughput.md/.png from --out's throughput.json and its logs (no runs)")
     args = p.parse_args(argv)
+    if args.rerender:
+        return rerender(Path(args.out))
 
     from vllm_temporalkv.models import resolve_model
 
