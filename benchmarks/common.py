@@ -67,3 +67,60 @@ def merge_headline(figures: dict[str, float], path: Path = HEADLINE) -> None:
             raise ValueError(f"headline key {k!r} is not <bench>.<data-or-shape>.<format>.<metric>")
         cur[k] = float(v)
     write_json(path, dict(sorted(cur.items())))
+
+
+def plot_decode_grid(rows: list[dict], shapes: list[str], path: Path, *, time_series, speedup_series, baselines,
+                     panel_title: str, time_label: str, speedup_label: str, title: str, width: float = 4.2) -> None:
+    """Decode timings over the context L (log2), per model shape two rows of panels (time per call, speedup),
+    one column per batch size.  time_series / speedup_series: (row key, style, label with {f}, plot kwargs) per
+    format; baselines: (row key, style, name) drawn once per panel from the rows' baseline columns.  A series
+    without any value is left out."""
+    import math
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = [s for s in shapes if any(r["shape"] == s for r in rows)]
+    if not shapes:
+        return
+    batches = sorted({r["B"] for r in rows})
+    fmts = list(dict.fromkeys(r["format"] for r in rows))
+    fig, axes = plt.subplots(2 * len(shapes), len(batches), figsize=(width * len(batches), 3.4 * 2 * len(shapes)),
+                             squeeze=False)
+
+    def line(ax, xs, ys, style, **kw):
+        ys = [math.nan if y is None else y for y in ys]
+        if not all(math.isnan(y) for y in ys):
+            ax.plot(xs, ys, style, **kw)
+
+    for i, shape in enumerate(shapes):
+        for j, B in enumerate(batches):
+            at, asp = axes[2 * i][j], axes[2 * i + 1][j]
+            sel = sorted((r for r in rows if r["shape"] == shape and r["B"] == B), key=lambda r: r["L"])
+            for k, f in enumerate(fmts):
+                pts = [r for r in sel if r["format"] == f]
+                for ax, series in ((at, time_series), (asp, speedup_series)):
+                    for key, style, label, kw in series:
+                        line(ax, [r["L"] for r in pts], [r.get(key) for r in pts], style, color=f"C{k}",
+                             label=label.format(f=f), **kw)
+            base = {r["L"]: r for r in sel}
+            for key, style, name in baselines:
+                line(at, sorted(base), [base[x].get(key) for x in sorted(base)], style, label=name)
+            asp.axhline(1.0, color="gray", lw=1)
+            for ax in (at, asp):
+                ax.set_xscale("log", base=2)
+                ax.grid(alpha=0.3, which="both")
+            at.set_yscale("log")
+            at.set_title(panel_title.format(shape=shape, B=B))
+            asp.set_xlabel("context L (tokens)")
+            if j == 0:
+                at.set_ylabel(time_label)
+                asp.set_ylabel(speedup_label)
+        axes[2 * i][0].legend(fontsize=6)
+        axes[2 * i + 1][0].legend(fontsize=6)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from .common import RESULTS, merge_headline, run_record, write_json
+from .common import RESULTS, merge_headline, plot_decode_grid, run_record, write_json
 
 # triton and the kernel modules are imported by _load_kernels(), after main() has decided on
 # TRITON_INTERPRET: triton_encode reads it at import, and triton.jit decides at decoration.
@@ -605,55 +605,14 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in report["rows"] if r.get("time_ms") is not None]
-    shapes = [s for s in report["settings"]["shapes"] if any(r["shape"] == s for r in rows)]
-    batches = sorted({r["B"] for r in rows})
-    if not shapes:
-        return
-    fmts = list(dict.fromkeys(r["format"] for r in rows))
-    fig, axes = plt.subplots(2 * len(shapes), len(batches), figsize=(4 * len(batches), 3.4 * 2 * len(shapes)),
-                             squeeze=False)
-    for i, shape in enumerate(shapes):
-        for j, B in enumerate(batches):
-            at, asp = axes[2 * i][j], axes[2 * i + 1][j]
-            sel = sorted((r for r in rows if r["shape"] == shape and r["B"] == B), key=lambda r: r["L"])
-            for k, f in enumerate(fmts):
-                pts = [(r["L"], r["time_ms"], r["speedup_vs_sdpa"], r["speedup_vs_fp16_paged"]) for r in sel
-                       if r["format"] == f]
-                if not pts:
-                    continue
-                L, t, s1, s2 = zip(*pts)
-                at.plot(L, t, "o-", color=f"C{k}", label=f)
-                asp.plot(L, [x if x is not None else math.nan for x in s1], "o-", color=f"C{k}", label=f"{f} vs SDPA")
-                asp.plot(L, [x if x is not None else math.nan for x in s2], "s:", color=f"C{k}",
-                         label=f"{f} vs fp16 paged")
-            base = {r["L"]: r for r in sel}
-            Ls = sorted(base)
-            for key, style, name in (("sdpa_ms", "kx--", "SDPA"), ("fp16_paged_ms", "k+:", "fp16 paged")):
-                ys = [base[x][key] if base[x][key] is not None else math.nan for x in Ls]
-                at.plot(Ls, ys, style, label=name)
-            asp.axhline(1.0, color="gray", lw=1)
-            for ax in (at, asp):
-                ax.set_xscale("log", base=2)
-                ax.grid(alpha=0.3, which="both")
-            at.set_yscale("log")
-            at.set_title(f"{shape}, B = {B}")
-            asp.set_xlabel("context L (tokens)")
-            if j == 0:
-                at.set_ylabel("decode time (ms)")
-                asp.set_ylabel("speedup")
-        axes[2 * i][0].legend(fontsize=7)
-        axes[2 * i + 1][0].legend(fontsize=6)
-    title = f"Paged decode from codes vs half-precision baselines, {report['device_tag']}"
-    fig.suptitle(title + (" (SMOKE: timings meaningless)" if report["smoke"] else ""), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plot_decode_grid(
+        [r for r in report["rows"] if r.get("time_ms") is not None], report["settings"]["shapes"], path,
+        time_series=[("time_ms", "o-", "{f}", {})],
+        speedup_series=[("speedup_vs_sdpa", "o-", "{f} vs SDPA", {}), ("speedup_vs_fp16_paged", "s:", "{f} vs fp16 paged", {})],
+        baselines=[("sdpa_ms", "kx--", "SDPA"), ("fp16_paged_ms", "k+:", "fp16 paged")],
+        panel_title="{shape}, B = {B}", time_label="decode time (ms)", speedup_label="speedup", width=4,
+        title=f"Paged decode from codes vs half-precision baselines, {report['device_tag']}"
+              + (" (SMOKE: timings meaningless)" if report["smoke"] else ""))
 
 
 # ---- driver ----------------------------------------------------------------------------------------

@@ -68,8 +68,7 @@ from pathlib import Path
 
 import torch
 
-from . import kernels as gpu_bench
-from .common import RESULTS, merge_headline, run_record, write_json
+from .common import RESULTS, merge_headline, plot_decode_grid, run_record, write_json
 from .kernels import SHAPES, fill_pages, make_layer_cache, parse_format, shape_key
 
 DEFAULT_FORMATS = ["temporalkv-2bit", "temporalkv-4bit", "temporalkv-1bit", "channelkv-2bit", "kvquant-2bit"]
@@ -551,59 +550,16 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    dt = report["settings"]["dtype"]
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in report["rows"] if r["kind"] == "decode"]
-    shapes = [s for s in report["settings"]["shapes"] if any(r["shape"] == s for r in rows)]
-    batches = sorted({r["B"] for r in rows})
-    if not shapes:
-        return
-    fmts = list(dict.fromkeys(r["format"] for r in rows))
-    fig, axes = plt.subplots(2 * len(shapes), len(batches), figsize=(4.2 * len(batches), 3.4 * 2 * len(shapes)),
-                             squeeze=False)
-    for i, shape in enumerate(shapes):
-        for j, B in enumerate(batches):
-            at, asp = axes[2 * i][j], axes[2 * i + 1][j]
-            sel = sorted((r for r in rows if r["shape"] == shape and r["B"] == B), key=lambda r: r["L"])
-            for k, f in enumerate(fmts):
-                pts = [r for r in sel if r["format"] == f]
-                if not pts:
-                    continue
-                Ls = [r["L"] for r in pts]
-                at.plot(Ls, [r["cpp_ms"] for r in pts], "o-", color=f"C{k}", label=f"C++ {f}")
-                if any(r["torch_ms"] is not None for r in pts):
-                    at.plot(Ls, [r["torch_ms"] if r["torch_ms"] is not None else math.nan for r in pts], "^:",
-                            color=f"C{k}", alpha=0.6, label=f"torch {f}")
-                asp.plot(Ls, [r["speedup_vs_vllm"] if r["speedup_vs_vllm"] is not None else math.nan
-                              for r in pts], "o-", color=f"C{k}", label=f"{f} vs vLLM {dt}")
-            base = {r["L"]: r for r in sel}
-            Ls = sorted(base)
-            for key, style, name in (("vllm_ms", "kx--", f"vLLM {dt}"), ("sdpa_ms", "k+:", f"SDPA {dt}")):
-                ys = [base[x][key] if base[x][key] is not None else math.nan for x in Ls]
-                if not all(math.isnan(y) for y in ys):
-                    at.plot(Ls, ys, style, label=name)
-            asp.axhline(1.0, color="gray", lw=1)
-            for ax in (at, asp):
-                ax.set_xscale("log", base=2)
-                ax.grid(alpha=0.3, which="both")
-            at.set_yscale("log")
-            at.set_title(f"{shape}, decode, B = {B}")
-            asp.set_xlabel("context L (tokens)")
-            if j == 0:
-                at.set_ylabel("time per layer (ms)")
-                asp.set_ylabel(f"speedup vs vLLM {dt}")
-        axes[2 * i][0].legend(fontsize=6)
-        axes[2 * i + 1][0].legend(fontsize=6)
-    m = report["machine"]
-    fig.suptitle(f"CPU decode from codes vs vLLM {dt}, {m['model']}, {m['torch_threads']} threads, "
-                 f"C++ {report['cpp_isa']}" + (" (SMOKE: timings meaningless)" if report["smoke"] else ""), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    dt, m = report["settings"]["dtype"], report["machine"]
+    plot_decode_grid(
+        [r for r in report["rows"] if r["kind"] == "decode"], report["settings"]["shapes"], path,
+        time_series=[("cpp_ms", "o-", "C++ {f}", {}), ("torch_ms", "^:", "torch {f}", {"alpha": 0.6})],
+        speedup_series=[("speedup_vs_vllm", "o-", "{f} vs vLLM " + dt, {})],
+        baselines=[("vllm_ms", "kx--", f"vLLM {dt}"), ("sdpa_ms", "k+:", f"SDPA {dt}")],
+        panel_title="{shape}, decode, B = {B}", time_label="time per layer (ms)",
+        speedup_label=f"speedup vs vLLM {dt}",
+        title=f"CPU decode from codes vs vLLM {dt}, {m['model']}, {m['torch_threads']} threads, C++ "
+              f"{report['cpp_isa']}" + (" (SMOKE: timings meaningless)" if report["smoke"] else ""))
 
 
 # ---- driver ------------------------------------------------------------------------------------------
