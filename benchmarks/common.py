@@ -69,6 +69,22 @@ def merge_headline(figures: dict[str, float], path: Path = HEADLINE) -> None:
     write_json(path, dict(sorted(cur.items())))
 
 
+DTYPE_HELP = ("the model's dtype (vLLM's --dtype), every format alike (default: what `vllm-temporalkv serve` "
+              "picks: float32 on a CPU without bf16 units, else bfloat16)")
+
+
+def model_dtype(requested: str | None) -> str:
+    """The --dtype every server of a benchmark runs with: the requested one, else what `vllm-temporalkv serve`
+    picks for this machine (float32 on a CPU without bf16 units: ~4x faster there), else bfloat16."""
+    if requested:
+        return requested
+    import torch
+
+    from vllm_temporalkv.vllm.cpu_tuning import default_dtype
+
+    return (None if torch.cuda.is_available() else default_dtype()) or "bfloat16"
+
+
 def plot_decode_grid(rows: list[dict], shapes: list[str], path: Path, *, time_series, speedup_series, baselines,
                      panel_title: str, time_label: str, speedup_label: str, title: str, width: float = 4.2) -> None:
     """Decode timings over the context L (log2), per model shape two rows of panels (time per call, speedup),

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .common import HEADLINE, RESULTS, merge_headline, run_record, write_json
+from .common import DTYPE_HELP, HEADLINE, RESULTS, merge_headline, model_dtype, run_record, write_json
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe")
 LENGTHS = (2048, 4096, 8192)
@@ -310,7 +310,7 @@ def serve_and_score(model: str, fmt: str, samples: list[Sample], args) -> dict:
         options["temporalkv_outliers"] = True
     extra = ["--additional-config", json.dumps(options)] if options else []
     max_len = max(s.length for s in samples)
-    s = VLLMServer(model, "--kv-cache-dtype", dtype, "--served-model-name", "model", "--dtype", "bfloat16",
+    s = VLLMServer(model, "--kv-cache-dtype", dtype, "--served-model-name", "model", "--dtype", args.dtype,
                    "--max-model-len", str(max_len), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                    "--max-num-seqs", str(args.concurrency), *(["--enforce-eager"] if args.enforce_eager else []),
                    *extra, *args.server_args, kv_space_gib=args.kv_space_gib, timeout=args.server_timeout)
@@ -333,7 +333,8 @@ def write_markdown(rep: dict, path: Path) -> None:
     lines = [f"# Long-context retrieval through the server ({st['name']})", "",
              f"Command: `{rep['run']['command']}`  ",
              f"Machine: {rep['run']['machine']['cpu']}, {rep['run']['time']}  ",
-             f"{st['samples']} samples per task and length, seed {st['seed']}, greedy; haystacks from Jane Austen's "
+             f"{st['samples']} samples per task and length, seed {st['seed']}, greedy, --dtype "
+             f"{st.get('dtype', 'bfloat16')}; haystacks from Jane Austen's "
              "novels; accuracy = share of reference strings in the answer (RULER's string match).", "",
              "## Average accuracy by length", "",
              "| --kv-cache-dtype | " + " | ".join(lengths) + " | average | 4k-8k | 4k-8k ÷ auto |",
@@ -358,8 +359,12 @@ def write_markdown(rep: dict, path: Path) -> None:
         if "error" not in r:
             lines.append(f"| {f} | " + " | ".join(f"{r['cells'].get(f'{t}@{n}', float('nan')):.2f}"
                                                   for t in st["tasks"] for n in lengths) + " |")
-    lines += ["", "Server start-up and suite wall time (s): " + ", ".join(
-        f"{f} {r.get('startup_s', '–')}+{r.get('suite_s', '–')}" for f, r in res.items() if "error" not in r)]
+    lines += ["", "## Wall time", "", "| --kv-cache-dtype | server start-up s | suite s | suite ÷ auto |", "|---|---|---|---|"]
+    base_s = res.get("auto", {}).get("suite_s")
+    for f, r in res.items():
+        if "error" not in r and r.get("suite_s") is not None:
+            ratio = f"{r['suite_s'] / base_s:.2f}" if base_s else "–"
+            lines.append(f"| {f} | {r.get('startup_s', '–')} | {r['suite_s']} | {ratio} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -414,6 +419,7 @@ def main(argv=None):
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight (= --max-num-seqs)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-space-gib", type=int, default=2)
+    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--server-timeout", type=float, default=900)
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="passed on to every server (last)")
@@ -431,18 +437,22 @@ def main(argv=None):
     tok = load_tokenizer(args.tokenizer or model)
     samples = SuiteBuilder(tok, args.seed).build(args.tasks, args.lengths, args.samples)
     print(f"{len(samples)} samples: {len(args.tasks)} tasks x {len(args.lengths)} lengths x {args.samples}")
+    args.dtype = model_dtype(args.dtype)
     settings = {"name": args.name, "tasks": args.tasks, "lengths": args.lengths, "samples": args.samples,
-                "seed": args.seed, "concurrency": args.concurrency, "max_num_batched_tokens": args.max_num_batched_tokens}
+                "seed": args.seed, "concurrency": args.concurrency, "max_num_batched_tokens": args.max_num_batched_tokens,
+                "dtype": args.dtype}
     out = Path(args.out)
     results = {}
     if args.resume and (out / "retrieval.json").is_file():  # keep the formats an identical earlier run finished
         prev = json.loads((out / "retrieval.json").read_text())
-        same = all(prev["settings"].get(k) == settings[k] for k in ("tasks", "lengths", "samples", "seed"))
+        # runs before --dtype existed served bfloat16
+        same = (all(prev["settings"].get(k) == settings[k] for k in ("tasks", "lengths", "samples", "seed"))
+                and prev["settings"].get("dtype", "bfloat16") == settings["dtype"])
         if same:
             results = {f: r for f, r in prev["formats"].items() if "error" not in r}
             print(f"resuming: {', '.join(results) or 'nothing'} already scored")
         else:
-            print("not resuming: the earlier run had other tasks, lengths, samples or seed")
+            print("not resuming: the earlier run had other tasks, lengths, samples, seed or dtype")
     if args.url:
         recs = run_suite(args.url, args.served_model_name or "model", samples, args.concurrency)
         results[args.served_model_name or args.url] = {"records": recs, **summarize(recs)}

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import HEADLINE, RESULTS, merge_headline, run_record, write_json
+from .common import DTYPE_HELP, HEADLINE, RESULTS, merge_headline, model_dtype, run_record, write_json
 from .vllm_server import CAPACITY_RE, VLLMServer, set_target_device
 
 THROUGHPUT_RE = re.compile(r"Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, ([\d.]+) output tokens/s")
@@ -221,8 +221,7 @@ def main(argv=None):
     p.add_argument("--load-format", default=None, help="e.g. dummy (random weights: speed only)")
     p.add_argument("--gpu-memory-utilization", default=None)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--dtype", default=None, help="the model's dtype (vLLM's --dtype), every format alike (default: "
-                   "what `vllm-temporalkv serve` picks: float32 on a CPU without bf16 units, else bfloat16)")
+    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
     p.add_argument("--kv-space-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE on the CPU")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", default=str(RESULTS))
@@ -235,12 +234,7 @@ def main(argv=None):
     from vllm_temporalkv.models import resolve_model
 
     args.model = str(resolve_model(args.model))
-    if args.dtype is None:
-        import torch
-
-        from vllm_temporalkv.vllm.cpu_tuning import default_dtype
-
-        args.dtype = (None if torch.cuda.is_available() else default_dtype()) or "bfloat16"
+    args.dtype = model_dtype(args.dtype)
     args.engine_args = ["--dtype", args.dtype]
     if args.load_format:
         args.engine_args += ["--load-format", args.load_format]

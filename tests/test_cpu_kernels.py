@@ -307,3 +307,42 @@ def test_unloadable_extension_falls_back(monkeypatch, caplog):
     want = paged_torch.paged_attention(lc, pages, q, key, val, torch.arange(3), torch.tensor([5, 19]), tables,
                                        0.125, batch_invariant=False)
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("case", [CASES[3], CASES[8], CASES[12], CASES[14]], ids=[IDS[3], IDS[8], IDS[12], IDS[14]])
+def test_forward_writes_then_reads_back(case):
+    """ops.cpu.forward, the backend's step: a prefill chunk is written first and its completed blocks read
+    back decoded (encoded once), where the torch path attends first and encodes them itself.  Chunks that
+    start inside an incomplete block (its exact values in tail slots the write reuses), cross the sinks,
+    complete several blocks, and share a step with decodes: the same pages, bit for bit, and outputs within
+    the tolerance of the kernels' float32 attention."""
+    fmt, D, outliers, dtype, layer = case
+    lc = make_cache(fmt, D, outliers, dtype, layer)
+    full = [70, 41, 33]
+    steps = [  # per step, the new tokens of each request (0: not scheduled)
+        [5, 3, 17],  # inside the sinks / a chunk crossing them
+        [20, 1, 1],  # a chunk from inside an incomplete block, two decodes
+        [1, 13, 1],
+        [44, 24, 14],  # to the end
+    ]
+    table = torch.arange(len(full) * 8).view(len(full), 8)[:, torch.randperm(8, generator=torch.Generator().manual_seed(1))]
+    pages = torch.zeros(len(full) * 8, 2, lc.layout.bytes, dtype=torch.uint8)
+    ref = pages.clone()
+    g = torch.Generator().manual_seed(11)
+    kv = {r: (torch.randn(n, 2, D, generator=g), torch.randn(n, 2, D, generator=g)) for r, n in enumerate(full)}
+    done = [0] * len(full)
+    for step, new in enumerate(steps):
+        calls = {r: (done[r], min(full[r], done[r] + c)) for r, c in enumerate(new) if done[r] + c <= full[r] and c}
+        key, val, pos, pid = _batch(kv, calls, table, 16)
+        qsl = torch.tensor([0] + [b - a for a, b in calls.values()]).cumsum(0)
+        sl = torch.tensor([b for a, b in calls.values()])
+        tables = table[list(calls)]
+        q = torch.randn(int(qsl[-1]), 6, D, generator=g).to(dtype)
+        args = (q, key.to(dtype), val.to(dtype), qsl, sl, tables, pos, pid, D ** -0.5)
+        want = paged_torch.forward(lc, ref, *args, batch_invariant=False)
+        got = cpu.forward(lc, pages, *args, batch_invariant=False)
+        assert torch.equal(pages, ref), step
+        assert (got.float() - want.float()).abs().max() <= _tol(dtype, want), step
+        for r, (a, b) in calls.items():
+            done[r] = b
+    assert done == full

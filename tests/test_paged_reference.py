@@ -1,5 +1,7 @@
 """The torch paged cache: streamed writes in any chunking read back as sinks + decoded blocks + tail."""
 
+import functools
+
 import pytest
 import torch
 
@@ -141,9 +143,10 @@ def test_attend_tiles_match_the_definition(offset, tq):
 
 
 @pytest.mark.parametrize("offset,tq", [(0, 37), (21, 40), (64, 9), (300, 130)])
-def test_sdpa_path_matches_the_exact_one(offset, tq):
+def test_sdpa_path_matches_the_exact_one(offset, tq, monkeypatch):
     """The fast float32 path (flash attention over decoded keys, merged with the own-block band) agrees with the
     float64 definition, for any tile size."""
+    from vllm_temporalkv.ops import paged_torch
     from vllm_temporalkv.ops.paged_torch import _attend, _attend_fast
 
     g = torch.Generator().manual_seed(7 + offset + tq)
@@ -158,3 +161,7 @@ def test_sdpa_path_matches_the_exact_one(offset, tq):
     kd[-min(tq, 12):] *= 4
     want = _attend(q, ke, ve, kd, vd, 0.3, offset)
     torch.testing.assert_close(_attend_fast(q, ke, ve, kd, vd, 0.3, offset), want.float(), rtol=1e-4, atol=1e-4)
+    # every query recomputed directly (the path the cancellation guard takes), batched in small row groups
+    monkeypatch.setattr(paged_torch, "_CANCEL", -1.0)
+    monkeypatch.setattr(paged_torch, "_recompute", functools.partial(paged_torch._recompute, rows=7))
+    torch.testing.assert_close(_attend_fast(q, ke, ve, kd, vd, 0.3, offset), want.float(), rtol=1e-5, atol=1e-5)

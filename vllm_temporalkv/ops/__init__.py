@@ -3,6 +3,8 @@
     write_kv(lc, pages, key, value, positions, page_ids)
     paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale,
                     out=None, batch_invariant=...)
+    forward(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, positions, page_ids,
+            scale, out=None, batch_invariant=...)   # a layer's step: attention + cache update
 
 ``paged_torch`` (plain torch) is the oracle and the fallback everywhere; ``cpu`` runs the C++ kernels
 of csrc/; ``triton_encode`` / ``triton_decode`` are the CUDA kernels (tested in the interpreter, not

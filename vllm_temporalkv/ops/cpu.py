@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 
 from . import paged_torch
+from ..formats import BLOCK_TOKENS, SINK_TOKENS
+from ..layout import TAIL_SLOT0
 
 logger = logging.getLogger("vllm.temporalkv")
 
@@ -334,7 +336,70 @@ def paged_attention(
     return out
 
 
+
+@torch.no_grad()
+def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+            positions: torch.Tensor, page_ids: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+            batch_invariant: bool = True) -> torch.Tensor:
+    """Twin of ``paged_torch.forward`` (a layer's step: attention, then the cache update).
+
+    Decode requests: the fused decode kernel on the pages as they were, then their tokens are written.
+    Prefill chunks (without ``batch_invariant``) write first and read back: the blocks a chunk
+    completes are encoded once, by ``write_kv``, and the attention reads their codes decoded by
+    ``gather_kv`` - the same values the torch path gets by encoding and decoding them itself (it must
+    attend first). Only the exact values of the context's incomplete block are read before the write,
+    which may reuse their tail slots."""
+    if not supports(lc, pages) or batch_invariant:
+        return paged_torch.forward(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables,
+                                   positions, page_ids, scale, out, batch_invariant)
+    if out is None:
+        out = torch.empty_like(query)
+    R = seq_lens.shape[0]
+    if R > 0 and query.shape[0] == R and bool((query_start_loc[1:] - query_start_loc[:-1] == 1).all()):
+        decode_attention(lc, pages, query, key, value, seq_lens, block_tables, scale, out)
+        write_kv(lc, pages, key, value, positions, page_ids)
+        return out
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    dec = [r for r in range(R) if qsl[r + 1] - qsl[r] == 1]
+    if dec:  # the decode requests of a mixed batch: one fused call, before any write
+        rows = torch.tensor([qsl[r] for r in dec], dtype=torch.long, device=query.device)
+        ridx = torch.tensor(dec, dtype=torch.long, device=query.device)
+        out[rows] = decode_attention(lc, pages, query[rows], key[rows], value[rows], seq_lens[ridx],
+                                     block_tables[ridx], scale).to(out.dtype)
+    for r in range(R):
+        a, b = qsl[r], qsl[r + 1]
+        if b - a > 1:
+            _prefill(lc, pages, query[a:b], key[a:b], value[a:b], positions[a:b], page_ids[a:b],
+                     block_tables[r], lens[r], scale, out[a:b])
+    if dec:
+        write_kv(lc, pages, key[rows], value[rows], positions[rows], page_ids[rows])
+    return out
+
+
+def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: float, out: torch.Tensor) -> None:
+    """One request's chunk of new tokens (positions n - len(q) .. n - 1): write, then attend."""
+    ctx = n - q.shape[0]
+    lo = max(SINK_TOKENS, ctx // BLOCK_TOKENS * BLOCK_TOKENS)
+    e0 = min(lo, ctx)  # exact values from here on: the queries' own blocks
+    ke, ve = lc.exact(k), lc.exact(v)
+    if ctx > lo:  # the context's incomplete block waits in its page's tail slots: read before writing
+        region = lc.layout.region_view(pages, lc.store_dtype)
+        tail = region[table[lo // lc.block_size], :, TAIL_SLOT0:TAIL_SLOT0 + ctx - lo].to(lc.dtype)
+        ke = torch.cat([tail[:, :, 0].transpose(0, 1), ke])
+        ve = torch.cat([tail[:, :, 1].transpose(0, 1), ve])
+    write_kv(lc, pages, k, v, positions, page_ids)
+    hi = n // BLOCK_TOKENS * BLOCK_TOKENS
+    m = max(hi, min(n, SINK_TOKENS))  # sinks and whole blocks: all in the pages now
+    kg, vg = gather_kv(lc, pages, table, m)
+    Kd = torch.cat([kg, ke[m - e0:]])
+    Vd = torch.cat([vg, ve[m - e0:]])
+    K, V = Kd.clone(), Vd.clone()
+    K[e0:], V[e0:] = ke, ve
+    out.copy_(paged_torch._attend_fast(q, K, V, Kd, Vd, scale, ctx).to(out.dtype))
+
 _load()
 
-__all__ = ["available", "decode_attention", "gather_kv", "isa", "nearest", "paged_attention", "set_isa",
+__all__ = ["available", "decode_attention", "forward", "gather_kv", "isa", "nearest", "paged_attention", "set_isa",
            "supported_isas", "supports", "write_kv"]

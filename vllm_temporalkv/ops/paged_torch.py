@@ -279,15 +279,19 @@ def _attend_fast(q, k_exact, v_exact, k_dec, v_dec, scale, offset):
     front = offset - p0
     nb = -(-(front + Tq) // BLOCK_TOKENS)
     W = nb * BLOCK_TOKENS
-    pad = lambda t: torch.nn.functional.pad(t, (0, 0, front, W - front - Tq))  # noqa: E731  [Hq, W, D]
-    qb = pad(qh).view(Hq, nb, BLOCK_TOKENS, D)
-    ob = pad(o).view(Hq, nb, BLOCK_TOKENS, D)
-    lseb = torch.nn.functional.pad(lse, (front, W - front - Tq)).view(Hq, nb, BLOCK_TOKENS)
+
+    def pad(t, before, after):  # zero rows around dim -2 (of [.., T, D]), no copy when there are none
+        return torch.nn.functional.pad(t, (0, 0, before, after)) if before or after else t
+
+    # [Hkv, g, nb, 8, ..]: a query head's blocks next to its KV head's (broadcast over the group, no copies)
+    qb = pad(qh, front, W - front - Tq).view(Hkv, g, nb, BLOCK_TOKENS, D)
+    ob = pad(o, front, W - front - Tq).view(Hkv, g, nb, BLOCK_TOKENS, D)
+    lseb = pad(lse[..., None], front, W - front - Tq).view(Hkv, g, nb, BLOCK_TOKENS)
     hi = min(n, p0 + W)
 
-    def kblocks(t):  # keys p0 .. p0 + W (those past n zero; masked below) -> [Hq, nb, 8, D]
-        x = heads(t[p0:hi])
-        return torch.nn.functional.pad(x, (0, 0, 0, W - (hi - p0))).view(Hq, nb, BLOCK_TOKENS, D)
+    def kblocks(t):  # keys p0 .. p0 + W (those past n zero; masked below) -> [Hkv, 1, nb, 8, D]
+        x = t[p0:hi].to(f).transpose(0, 1)
+        return pad(x, 0, W - (hi - p0)).reshape(Hkv, 1, nb, BLOCK_TOKENS, D)
 
     kdb, vdb, keb, veb = kblocks(k_dec), kblocks(v_dec), kblocks(k_exact), kblocks(v_exact)
     r = torch.arange(BLOCK_TOKENS, device=dev)
@@ -302,19 +306,38 @@ def _attend_fast(q, k_exact, v_exact, k_dec, v_dec, scale, offset):
     dsum = wd.sum(-1)
     acc = z[..., None] * ob - wd @ vdb + we @ veb
     zz = z - dsum + we.sum(-1)
-    out = (acc / zz[..., None]).view(Hq, W, D)[:, front:front + Tq]
+    out = (acc / zz[..., None]).reshape(Hq, W, D)[:, front:front + Tq]
     # where the own block held most of the decoded mass, the subtraction loses digits (float32 error x
     # z / (z - dsum)): those queries, rare in real attention, are computed directly instead
-    risky = (dsum > _CANCEL * z).view(Hq, W)[:, front:front + Tq]
+    risky = (dsum > _CANCEL * z).reshape(Hq, W)[:, front:front + Tq]
     if bool(risky.any()):
-        ke, ve = heads(k_exact[:n]), heads(v_exact[:n])
-        for h, t in risky.nonzero().tolist():
-            i = offset + t
-            lo = i // BLOCK_TOKENS * BLOCK_TOKENS
-            kk = torch.cat([kd[h, :lo], ke[h, lo:i + 1]])
-            vv = torch.cat([vd[h, :lo], ve[h, lo:i + 1]])
-            out[h, t] = torch.softmax((kk @ qh[h, t]) * scale, 0) @ vv
+        _recompute(out, risky, qh, kd, vd, k_exact, v_exact, g, scale, offset)
     return out.transpose(0, 1)
+
+
+def _recompute(out, risky, qh, kd, vd, k_exact, v_exact, g: int, scale: float, offset: int, rows: int = 512):
+    """out[h, t] for the risky (head, query) pairs, directly: decoded keys before the query's own block,
+    exact keys of the block up to the query, one softmax.  Batched per head (rows at a time)."""
+    n = kd.shape[1]
+    dev = qh.device
+    r8 = torch.arange(BLOCK_TOKENS, device=dev)
+    kidx = torch.arange(n, device=dev)
+    for h in range(qh.shape[0]):
+        ts_all = risky[h].nonzero().squeeze(1)
+        for c in range(0, ts_all.numel(), rows):
+            ts = ts_all[c:c + rows]
+            i = offset + ts
+            lo = i // BLOCK_TOKENS * BLOCK_TOKENS
+            qq = qh[h, ts]  # [m, D]
+            s_ctx = (qq @ kd[h].transpose(0, 1)).mul_(scale)  # [m, n]
+            s_ctx.masked_fill_(kidx[None, :] >= lo[:, None], -math.inf)
+            own = lo[:, None] + r8  # [m, 8] the own block's positions (those past i masked)
+            ownc = own.clamp_max(n - 1)
+            ke = k_exact[ownc, h // g].float()  # [m, 8, D]
+            ve = v_exact[ownc, h // g].float()
+            s_own = (ke @ qq[:, :, None]).squeeze(-1).mul_(scale).masked_fill_(own > i[:, None], -math.inf)
+            p = torch.softmax(torch.cat([s_ctx, s_own], 1), 1)
+            out[h, ts] = p[:, :n] @ vd[h] + (p[:, n:, None] * ve).sum(1)
 
 
 # _attend_fast recomputes a query directly when its own block held more than this share of its decoded
@@ -368,4 +391,15 @@ def paged_attention(
             Kd[lo:hi], Vd[lo:hi] = _decoded_blocks(lc, K, V, lo, hi)
         attend = _attend if batch_invariant else _attend_fast
         out[a:b] = attend(query[a:b], K, V, Kd, Vd, scale, ctx).to(out.dtype)
+    return out
+
+
+@torch.no_grad()
+def forward(lc: LayerCache, pages, query, key, value, query_start_loc, seq_lens, block_tables, positions, page_ids,
+            scale: float, out: torch.Tensor | None = None, batch_invariant: bool = True) -> torch.Tensor:
+    """One layer's step as the backend runs it: attention (``paged_attention``), then the cache update
+    (``write_kv``) - in that order, as the cache contract requires."""
+    out = paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out,
+                          batch_invariant)
+    write_kv(lc, pages, key, value, positions, page_ids)
     return out

@@ -5,10 +5,11 @@ whole blocks of 8 tokens, and a half-precision region for the sequence's 8 sink 
 and its incomplete newest block (the page that holds it).  ``customize_spec`` tells vLLM the
 record size, so its block manager and its reported KV capacity see the true bytes per token.
 
-A step: attention first - each request's cached context is read back from its pages, and its new
-tokens attend to themselves exactly (fresh K/V) - then the new tokens are written (sinks / tail,
-and a block is un-RoPE'd and encoded the moment its 8th token arrives).  Attending first matters:
-writing a step's tokens can reuse the tail slots the context still needs.
+A step (``ops.*.forward``): attention first - each request's cached context is read back from its
+pages, and its new tokens attend to themselves exactly (fresh K/V) - then the new tokens are written
+(sinks / tail, and a block is un-RoPE'd and encoded the moment its 8th token arrives).  Attending
+first matters: writing a step's tokens can reuse the tail slots the context still needs (the C++
+path writes a prefill chunk first, having read those slots, so that its blocks are encoded once).
 
 ``ops.select`` picks the kernels per layer: the C++ kernels of csrc/ on the CPU (ops/cpu.py), the
 torch path (ops/paged_torch.py: the oracle) elsewhere and as the fallback; the Triton kernels
@@ -215,7 +216,6 @@ class TemporalKVImpl(AttentionImpl):
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
-        self._ops.paged_attention(lc, pages, q, k, v, m.query_start_loc, m.seq_lens, m.block_table,
-                                  self.scale, out=out, batch_invariant=self._batch_invariant)
-        self._ops.write_kv(lc, pages, k, v, m.positions, m.page_ids)
+        self._ops.forward(lc, pages, q, k, v, m.query_start_loc, m.seq_lens, m.block_table, m.positions,
+                          m.page_ids, self.scale, out=out, batch_invariant=self._batch_invariant)
         return output
