@@ -18,6 +18,8 @@ Ops (each the twin of the torch path in ``paged_torch``, which stays the oracle)
 * ``nearest(vecs, centroids)``: the codec contract's argmin (registered for "cpu" tensors on load).
 * ``paged_attention(...)``: the signature of ``paged_torch.paged_attention``; decode requests go to the
   fused kernel (unless ``batch_invariant``), the others to the torch attention on C++-gathered K/V.
+* ``forward(...)``: a layer's step (attention + cache update), the backend's entry point; a prefill chunk
+  is written first and its completed blocks read back decoded, so they are encoded once.
 
 If the extension cannot be loaded, ``available()`` is False, a warning says so once, and every op
 here falls back to the torch path.  ``VLLM_TEMPORALKV_CPU_ISA=avx512|avx2|scalar`` forces a kernel
