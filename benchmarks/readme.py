@@ -140,7 +140,9 @@ def generic_table(h: dict, bench: str, title: str, skip: str | None = None) -> l
     if not items:
         return []
     out = [f"**{title}**", "", "| figure | value |", "|---|---|"]
-    out += [f"| `{k}` | {_fmt(v, 3)} |" for k, v in sorted(items.items())]
+    # counts as whole numbers (mutations, KV tokens), the rest to 3 decimals
+    out += [f"| `{k}` | {int(v) if float(v).is_integer() and abs(v) >= 2 else _fmt(v, 3)} |"
+            for k, v in sorted(items.items())]
     return out + [""]
 
 
@@ -152,6 +154,7 @@ def render(h: dict) -> str:
     lines += cpu_kernels_table(h)
     lines += generic_table(h, "kernels", "Kernels", skip="kernels.cpu.")
     lines += generic_table(h, "throughput", "Throughput")
+    lines += generic_table(h, "stress", "Reliability (artifact fuzzing: benchmarks/results/artifact-fuzz.md)")
     return "\n".join(lines).strip() + "\n"
 
 

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from vllm_temporalkv.calibration import codebook_keys
-from vllm_temporalkv.artifact import SCHEMA_VERSION, Artifact, ArtifactError, model_fingerprint
+from vllm_temporalkv.artifact import (DIGEST_KEY, SCHEMA_VERSION, Artifact, ArtifactError, content_digest,
+                                      model_fingerprint)
 from vllm_temporalkv.codecs import make_codec
 from vllm_temporalkv.codecs.quantizer import ChannelStats
 from vllm_temporalkv.formats import get_format, parse_codebook_key
@@ -94,12 +95,14 @@ def test_not_an_artifact(tmp_path):
 
 
 def _rewrite_meta(path, **changes):
+    """The artifact as a writer would have written it with these metadata values (checksum included)."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     meta.update(changes)
+    meta[DIGEST_KEY] = content_digest(meta, tensors)
     save_file(tensors, str(path), metadata=meta)
 
 
@@ -127,8 +130,87 @@ def test_inconsistent_shapes(saved):
     art, path = saved
     fp = dict(art.fingerprint, num_kv_heads=3)  # metadata claims 3 heads, tensors hold 2
     _rewrite_meta(path, fingerprint=json.dumps(fp))
-    with pytest.raises(ArtifactError, match=r"inconsistent.*shape"):
+    with pytest.raises(ArtifactError, match=r"is inconsistent: .*shape"):
         Artifact.load(path)
+
+
+def test_checksum(saved):
+    """A flipped bit in the data, or two layers' codebooks swapped, no longer match the checksum written with
+    the file; a file from before the checksum existed still loads."""
+    from safetensors import safe_open
+
+    art, path = saved
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=r"is corrupt: its content does not match the checksum.*temporalkv-calibrate"):
+        Artifact.load(path)
+    art.save(path)
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    a, b = "codebook.0.k.temporal-l4-k256", "codebook.1.k.temporal-l4-k256"
+    tensors[a], tensors[b] = tensors[b], tensors[a]
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(ArtifactError, match="does not match the checksum"):
+        Artifact.load(path)
+    tensors[a], tensors[b] = tensors[b], tensors[a]
+    del meta[DIGEST_KEY]
+    save_file(tensors, str(path), metadata=meta)
+    assert Artifact.load(path, formats=FORMATS).fingerprint == art.fingerprint
+
+
+@pytest.mark.parametrize("meta,why", [
+    (dict(layer_methods=lambda m: {**m, "kvquant-2bit": {"k": ["scalar", "bogus"], "v": m["kvquant-2bit"]["v"]}}),
+     r"corrupt metadata .*'bogus'"),
+    (dict(formats=lambda f: f + ["temporalkv-3bit"]), r"corrupt metadata .*temporalkv-3bit"),
+    (dict(fingerprint=lambda fp: [fp]), r"corrupt metadata .*fingerprint is list"),
+    (dict(layer_methods=lambda m: None), r"corrupt metadata .*layer_methods is NoneType"),
+])
+def test_bad_metadata_values(saved, meta, why):
+    """Metadata a buggy writer could produce (valid JSON, checksum right): refused naming the file."""
+    from safetensors import safe_open
+
+    _, path = saved
+    with safe_open(str(path), framework="pt") as f:
+        old = f.metadata()
+    (key, fn), = meta.items()
+    _rewrite_meta(path, **{key: json.dumps(fn(json.loads(old[key])))})
+    with pytest.raises(ArtifactError, match=why + r".*temporalkv-calibrate"):
+        Artifact.load(path)
+
+
+@pytest.mark.parametrize("edit,why", [
+    (lambda t: t.update({"stats.0.k.std": torch.zeros_like(t["stats.0.k.std"])}), "standard deviation <= 0"),
+    (lambda t: t.update({"stats.1.v.mean": t["stats.1.v.mean"].double()}), "float64, expected torch.float32"),
+    (lambda t: t.update({"stats.0.v.hi": t["stats.0.v.hi"] * float("nan")}), "non-finite"),
+    (lambda t: t.update({"codebook.7.k.temporal-l4-k256": t["codebook.0.k.temporal-l4-k256"].clone()}), "names layer '7'"),
+    (lambda t: t.update({"extra": torch.zeros(1)}), "unexpected tensor 'extra'"),
+])
+def test_bad_tensors(saved, edit, why):
+    """Tensors a buggy writer could produce (checksum right): refused naming the file."""
+    from safetensors import safe_open
+
+    _, path = saved
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    edit(tensors)
+    meta[DIGEST_KEY] = content_digest(meta, tensors)
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(ArtifactError, match=r"is inconsistent: .*" + why):
+        Artifact.load(path)
+
+
+def test_fuzz_slice(saved, tmp_path):
+    """CI's slice of the artifact fuzzer (benchmarks/artifact_fuzz.py runs hundreds on the real artifact):
+    every mutation refused with the file and the fix named, or harmless."""
+    from benchmarks.artifact_fuzz import fuzz
+
+    _, path = saved
+    r = fuzz(path, model_fingerprint(CFG), "temporalkv-2bit", 80, seed=1, workdir=tmp_path / "fuzz")
+    assert r["unclean"] == [], r["unclean"][:5]
+    assert r["outcomes"].get("refused", 0) >= 60, r["outcomes"]
 
 
 def test_format_not_covered(saved):

@@ -15,6 +15,7 @@ file, the problem and the command that fixes it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -32,6 +33,22 @@ SCHEMA_VERSION = 1
 ARTIFACT_RELPATH = "temporalkv/calibration.safetensors"
 ENV_ARTIFACT = "VLLM_TEMPORALKV_ARTIFACT"
 KV = ("k", "v")
+DIGEST_KEY = "content_sha256"  # metadata: SHA-256 of everything else (absent in files written before it)
+STAT_NAMES = ("mean", "std", "lo", "hi")
+
+
+def content_digest(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the metadata (but the digest itself) and every tensor's name, dtype, shape and bytes:
+    a flipped bit anywhere, a swapped pair of tensors or an edited fingerprint no longer matches."""
+    h = hashlib.sha256()
+    for k in sorted(meta):
+        if k != DIGEST_KEY:
+            h.update(json.dumps([k, meta[k]]).encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 class ArtifactError(ValueError):
@@ -130,6 +147,7 @@ class Artifact:
             "layer_methods": json.dumps(self.layer_methods),
             "calibration": json.dumps(self.calibration),
         }
+        meta[DIGEST_KEY] = content_digest(meta, tensors)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
@@ -173,6 +191,12 @@ class Artifact:
                 f"calibration artifact {path} has schema version {meta.get('schema_version')!r}; "
                 f"this vllm-temporalkv reads version {SCHEMA_VERSION}. Re-create it with: {fix}"
             )
+        digest = meta.get(DIGEST_KEY)
+        if digest is not None and digest != content_digest(meta, tensors):
+            raise ArtifactError(
+                f"calibration artifact {path} is corrupt: its content does not match the checksum written with "
+                f"it ({DIGEST_KEY}). Delete it and re-create it with: {fix}"
+            )
         try:
             art = cls(
                 fingerprint=json.loads(meta["fingerprint"]),
@@ -183,8 +207,10 @@ class Artifact:
                 codebooks={},
                 path=path,
             )
-        except (KeyError, json.JSONDecodeError) as e:
-            raise ArtifactError(f"calibration artifact {path} has corrupt metadata ({e}). Re-create it with: {fix}") from None
+            art._check_metadata()
+        except (KeyError, ValueError, TypeError) as e:
+            raise ArtifactError(f"calibration artifact {path} has corrupt metadata ({type(e).__name__}: {e}). "
+                                f"Re-create it with: {fix}") from None
         if expect is not None:
             diff = fingerprint_mismatch(expect, art.fingerprint)
             if diff:
@@ -202,21 +228,70 @@ class Artifact:
                 )
         return art
 
+    def _check_metadata(self) -> None:
+        """Types and values of the JSON metadata (raises ValueError / TypeError, turned into an
+        ArtifactError by ``load``)."""
+        fp = self.fingerprint
+        if not isinstance(fp, dict):
+            raise TypeError(f"fingerprint is {type(fp).__name__}, not an object")
+        for key in ("num_kv_heads", "head_dim", "num_layers"):
+            if not isinstance(fp.get(key), int) or isinstance(fp.get(key), bool) or fp[key] <= 0:
+                raise ValueError(f"fingerprint {key} = {fp.get(key)!r}")
+        if not isinstance(self.formats, list) or not self.formats:
+            raise ValueError(f"formats = {self.formats!r}, expected a non-empty list of format names")
+        if len(set(map(str, self.formats))) != len(self.formats):
+            raise ValueError(f"formats = {self.formats!r} lists a format twice")
+        for name in self.formats:
+            if not isinstance(name, str):
+                raise TypeError(f"format name {name!r}")
+            get_format(name)  # FormatError (a ValueError) for an unknown one
+        if not isinstance(self.layer_methods, dict):
+            raise TypeError(f"layer_methods is {type(self.layer_methods).__name__}, not an object")
+        if not isinstance(self.calibration, dict):
+            raise TypeError(f"calibration is {type(self.calibration).__name__}, not an object")
+        for name in self.formats:
+            fmt = get_format(name)
+            allowed = {fmt.method, "channel"} if fmt.hybrid else {fmt.method}
+            methods = self.layer_methods.get(name)
+            if not isinstance(methods, dict):
+                raise ValueError(f"per-layer method choice of {name} missing")
+            for kv in KV:
+                ms = methods.get(kv)
+                if not isinstance(ms, list) or len(ms) != fp["num_layers"]:
+                    raise ValueError(f"per-layer method choice of {name} {kv.upper()} missing or not "
+                                     f"{fp['num_layers']} layers long")
+                bad = [m for m in ms if m not in allowed]
+                if bad:
+                    raise ValueError(f"per-layer method choice of {name} {kv.upper()} has {bad[0]!r} "
+                                     f"(allowed: {', '.join(sorted(allowed))})")
+
     def _fill(self, tensors: dict[str, torch.Tensor], fix: str) -> None:
         fp = self.fingerprint
         H, D, L = fp["num_kv_heads"], fp["head_dim"], fp["num_layers"]
         stats: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-        for name, t in tensors.items():
-            parts = name.split(".")
-            if parts[0] == "stats" and len(parts) == 4:
-                stats.setdefault((int(parts[1]), parts[2]), {})[parts[3]] = t
-            elif parts[0] == "codebook" and len(parts) == 4:
-                self.codebooks[(int(parts[1]), parts[2], parts[3])] = t
-            elif parts[0] == "hybrid" and len(parts) == 3:
-                self.mse[parts[1]] = t
 
         def bad(msg):
             return ArtifactError(f"calibration artifact {self.path} is inconsistent: {msg}. Re-create it with: {fix}")
+
+        def layer_of(name: str, part: str) -> int:
+            if not part.isdigit() or not 0 <= int(part) < L:
+                raise bad(f"tensor {name!r} names layer {part!r} (the model has {L})")
+            return int(part)
+
+        for name, t in tensors.items():
+            parts = name.split(".")
+            if parts[0] == "stats" and len(parts) == 4 and parts[2] in KV and parts[3] in STAT_NAMES:
+                if t.dtype != torch.float32:
+                    raise bad(f"statistics {name} are {t.dtype}, expected torch.float32")
+                stats.setdefault((layer_of(name, parts[1]), parts[2]), {})[parts[3]] = t
+            elif parts[0] == "codebook" and len(parts) == 4 and parts[2] in KV:
+                if t.dtype != torch.float16:
+                    raise bad(f"codebook {name} is {t.dtype}, expected torch.float16")
+                self.codebooks[(layer_of(name, parts[1]), parts[2], parts[3])] = t
+            elif parts[0] == "hybrid" and len(parts) == 3 and parts[2] == "mse":
+                self.mse[parts[1]] = t
+            else:
+                raise bad(f"unexpected tensor {name!r}")
 
         for layer in range(L):
             for kv in KV:
@@ -226,12 +301,13 @@ class Artifact:
                 for t in s.values():
                     if tuple(t.shape) != (H, D):
                         raise bad(f"layer {layer} {kv.upper()} statistics have shape {tuple(t.shape)}, expected {(H, D)} (KV heads x head_dim)")
+                    if not torch.isfinite(t).all():
+                        raise bad(f"layer {layer} {kv.upper()} statistics have non-finite values")
+                if not (s["std"] > 0).all():
+                    raise bad(f"layer {layer} {kv.upper()} has a channel with standard deviation <= 0")
                 self.stats[(layer, kv)] = ChannelStats(s["mean"], s["std"], s["lo"], s["hi"])
         for name in self.formats:
             fmt = get_format(name)
-            methods = self.layer_methods.get(name)
-            if methods is None or any(len(methods.get(kv, [])) != L for kv in KV):
-                raise bad(f"per-layer method choice of {name} missing or not {L} layers long")
             for layer in range(L):
                 for kv in KV:
                     key = self.codebook_key(fmt, layer, kv)
