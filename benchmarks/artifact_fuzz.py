@@ -36,13 +36,9 @@ import torch
 from .common import HEADLINE, RESULTS, merge_headline, run_record, write_json
 
 
-# ---- the file, as safetensors lays it out: u64 header length, JSON header, data -------------------
-def _split(raw: bytes) -> tuple[dict, bytes]:
-    n = struct.unpack("<Q", raw[:8])[0]
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
-
-
-def _load_all(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+# ---- the file ------------------------------------------------------------------------------------
+def load_all(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor and the metadata of a safetensors file."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
@@ -124,7 +120,7 @@ def _tensor_mutations(tensors, meta, rng: random.Random):
     elif kind == "fingerprint":
         m["fingerprint"] = json.dumps(_other_fingerprint(json.loads(m["fingerprint"]), rng))
     elif kind == "meta-json":
-        k = pick([k for k in m if k not in ("kind", "schema_version")])
+        k = pick(sorted(k for k in m if k not in ("kind", "schema_version")))  # metadata order varies
         v = m[k]
         cut = rng.randrange(len(v) + 1)
         m[k] = v[:cut] + pick(["", "{", "]", "\x00", "null", "1", "\"", "}}"]) + v[cut + 1:]
@@ -157,12 +153,11 @@ def _tensor_mutations(tensors, meta, rng: random.Random):
     return kind, t, m, legit
 
 
-def mutations(good: bytes, rng: random.Random, n: int):
-    """n (kind, bytes) mutations of the good file's bytes."""
-    header, _ = _split(good)
+def mutations(good: bytes, tensors: dict, meta: dict, rng: random.Random, n: int):
+    """n (kind, bytes) mutations of the good file (its bytes, its tensors and metadata); safetensors lays
+    it out as a u64 header length, the JSON header, the data."""
     hlen = struct.unpack("<Q", good[:8])[0]
-    tensors = meta = None
-    for i in range(n):
+    for _ in range(n):
         kind = rng.choice(["truncate", "header-byte", "data-byte", "header-length", "empty", "structure",
                            "structure", "structure"])
         if kind == "truncate":
@@ -183,13 +178,6 @@ def mutations(good: bytes, rng: random.Random, n: int):
         elif kind == "empty":
             yield kind, b""
         else:
-            if tensors is None:
-                import tempfile
-
-                with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
-                    f.write(good)
-                    f.flush()
-                    tensors, meta = _load_all(Path(f.name))
             sub, t, m, legit = _tensor_mutations(tensors, meta, rng)
             rehash = not legit and rng.random() < 0.5
             yield f"{sub}{'+rehash' if rehash else ''}", _save(t, m, rehash=rehash)
@@ -238,13 +226,14 @@ def fuzz(artifact: Path, expect: dict, fmt: str, n: int, seed: int, workdir: Pat
     workdir.mkdir(parents=True, exist_ok=True)
     src = good.save(workdir / "good.safetensors")  # as this version writes it: with its checksum
     good_bytes = src.read_bytes()
+    tensors, meta = load_all(src)
     src.unlink()
     rng = random.Random(seed)
     path = workdir / "mutant.safetensors"
     counts: Counter = Counter()
     by_kind: dict[str, Counter] = {}
     unclean = []
-    for kind, data in mutations(good_bytes, rng, n):
+    for kind, data in mutations(good_bytes, tensors, meta, rng, n):
         path.write_bytes(data)
         outcome, msg = classify(path, expect, fmt, good)
         counts[outcome] += 1

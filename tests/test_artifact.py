@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from benchmarks.artifact_fuzz import load_all
 from vllm_temporalkv.calibration import codebook_keys
 from vllm_temporalkv.artifact import (DIGEST_KEY, SCHEMA_VERSION, Artifact, ArtifactError, content_digest,
                                       model_fingerprint)
@@ -96,11 +97,7 @@ def test_not_an_artifact(tmp_path):
 
 def _rewrite_meta(path, **changes):
     """The artifact as a writer would have written it with these metadata values (checksum included)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors, meta = load_all(path)
     meta.update(changes)
     meta[DIGEST_KEY] = content_digest(meta, tensors)
     save_file(tensors, str(path), metadata=meta)
@@ -137,8 +134,6 @@ def test_inconsistent_shapes(saved):
 def test_checksum(saved):
     """A flipped bit in the data, or two layers' codebooks swapped, no longer match the checksum written with
     the file; a file from before the checksum existed still loads."""
-    from safetensors import safe_open
-
     art, path = saved
     data = bytearray(path.read_bytes())
     data[-5] ^= 0x10
@@ -146,9 +141,7 @@ def test_checksum(saved):
     with pytest.raises(ArtifactError, match=r"is corrupt: its content does not match the checksum.*temporalkv-calibrate"):
         Artifact.load(path)
     art.save(path)
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors, meta = load_all(path)
     a, b = "codebook.0.k.temporal-l4-k256", "codebook.1.k.temporal-l4-k256"
     tensors[a], tensors[b] = tensors[b], tensors[a]
     save_file(tensors, str(path), metadata=meta)
@@ -169,11 +162,8 @@ def test_checksum(saved):
 ])
 def test_bad_metadata_values(saved, meta, why):
     """Metadata a buggy writer could produce (valid JSON, checksum right): refused naming the file."""
-    from safetensors import safe_open
-
     _, path = saved
-    with safe_open(str(path), framework="pt") as f:
-        old = f.metadata()
+    old = load_all(path)[1]
     (key, fn), = meta.items()
     _rewrite_meta(path, **{key: json.dumps(fn(json.loads(old[key])))})
     with pytest.raises(ArtifactError, match=why + r".*temporalkv-calibrate"):
@@ -189,12 +179,8 @@ def test_bad_metadata_values(saved, meta, why):
 ])
 def test_bad_tensors(saved, edit, why):
     """Tensors a buggy writer could produce (checksum right): refused naming the file."""
-    from safetensors import safe_open
-
     _, path = saved
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors, meta = load_all(path)
     edit(tensors)
     meta[DIGEST_KEY] = content_digest(meta, tensors)
     save_file(tensors, str(path), metadata=meta)

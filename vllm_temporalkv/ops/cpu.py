@@ -317,26 +317,12 @@ def paged_attention(
                                            block_tables, scale, out, batch_invariant)
     if out is None:
         out = torch.empty_like(query)
-    R = seq_lens.shape[0]
-    if (not batch_invariant and R > 0 and query.shape[0] == R
-            and bool((query_start_loc[1:] - query_start_loc[:-1] == 1).all())):
-        # a pure decode step: one call for the whole batch, no per-request Python
-        return decode_attention(lc, pages, query, key, value, seq_lens, block_tables, scale, out)
-    qsl = query_start_loc.tolist()
-    qlen = [qsl[r + 1] - qsl[r] for r in range(R)]
-    dec = [] if batch_invariant else [r for r in range(R) if qlen[r] == 1]
-    if dec:  # the decode requests of a mixed batch: one fused call
-        rows = torch.tensor([qsl[r] for r in dec], dtype=torch.long, device=query.device)
-        ridx = torch.tensor(dec, dtype=torch.long, device=query.device)
-        o = decode_attention(lc, pages, query[rows], key[rows], value[rows], seq_lens[ridx],
-                             block_tables[ridx], scale)
-        out[rows] = o.to(out.dtype)
-    rest = [r for r in range(R) if r not in set(dec)]
+    rest = list(range(seq_lens.shape[0])) if batch_invariant else _attend_decodes(
+        lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out)[0]
     if rest:  # prefill chunks: the torch attention on K/V the C++ decoder gathered
         paged_torch.paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale,
                                     out, batch_invariant, requests=rest, gather=gather_kv)
     return out
-
 
 
 @torch.no_grad()
@@ -357,27 +343,36 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
                                    positions, page_ids, scale, out, batch_invariant)
     if out is None:
         out = torch.empty_like(query)
-    R = seq_lens.shape[0]
-    if R > 0 and query.shape[0] == R and bool((query_start_loc[1:] - query_start_loc[:-1] == 1).all()):
-        decode_attention(lc, pages, query, key, value, seq_lens, block_tables, scale, out)
-        write_kv(lc, pages, key, value, positions, page_ids)
-        return out
+    rest, rows = _attend_decodes(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    for r in rest:
+        a, b = qsl[r], qsl[r + 1]
+        _prefill(lc, pages, query[a:b], key[a:b], value[a:b], positions[a:b], page_ids[a:b], block_tables[r],
+                 lens[r], scale, out[a:b])
+    if rows is None:  # every request a decode
+        write_kv(lc, pages, key, value, positions, page_ids)
+    elif rows.numel():
+        write_kv(lc, pages, key[rows], value[rows], positions[rows], page_ids[rows])
+    return out
+
+
+def _attend_decodes(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out):
+    """The requests with one query token attend in one fused decode call (before any write of the step),
+    into out.  Returns (the other requests' indices, the decode rows of query - None when every row is one)."""
+    R = seq_lens.shape[0]
+    if R > 0 and query.shape[0] == R and bool((query_start_loc[1:] - query_start_loc[:-1] == 1).all()):
+        decode_attention(lc, pages, query, key, value, seq_lens, block_tables, scale, out)  # no per-request Python
+        return [], None
+    qsl = query_start_loc.tolist()
     dec = [r for r in range(R) if qsl[r + 1] - qsl[r] == 1]
-    if dec:  # the decode requests of a mixed batch: one fused call, before any write
-        rows = torch.tensor([qsl[r] for r in dec], dtype=torch.long, device=query.device)
+    rest = [r for r in range(R) if qsl[r + 1] - qsl[r] > 1]
+    rows = torch.tensor([qsl[r] for r in dec], dtype=torch.long, device=query.device)
+    if dec:
         ridx = torch.tensor(dec, dtype=torch.long, device=query.device)
         out[rows] = decode_attention(lc, pages, query[rows], key[rows], value[rows], seq_lens[ridx],
                                      block_tables[ridx], scale).to(out.dtype)
-    for r in range(R):
-        a, b = qsl[r], qsl[r + 1]
-        if b - a > 1:
-            _prefill(lc, pages, query[a:b], key[a:b], value[a:b], positions[a:b], page_ids[a:b],
-                     block_tables[r], lens[r], scale, out[a:b])
-    if dec:
-        write_kv(lc, pages, key[rows], value[rows], positions[rows], page_ids[rows])
-    return out
+    return rest, rows
 
 
 def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: float, out: torch.Tensor) -> None:
