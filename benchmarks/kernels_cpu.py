@@ -431,7 +431,7 @@ def bench_format(a, lc, shape: str, fmt: str, B: int, L: int, Q: int, timer, bas
         tokens_per_s=B * Q / (ms * 1e-3),
     )
     if Q == 1 and cpp_ops_has_splits():
-        row["cpp_splits"] = cpu_ops.num_splits(B * H, -(-L // cpu_ops._C.TILE))
+        row["cpp_splits"] = cpu_ops.num_splits(-(-L // cpu_ops._C.TILE))
     for k in ("vllm_check_err", "vllm_check_tol", "vllm_check_ok", "vllm_check", "vllm_isa", "vllm_block_size",
               "vllm_metadata_ms", "vllm_reps", "sdpa_reps"):
         if k in base:

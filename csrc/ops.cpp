@@ -175,7 +175,7 @@ void decode_attention(const at::Tensor& pages, const at::Tensor& q, const at::Te
                       const at::Tensor& cosT, const at::Tensor& sinT, const at::Tensor& out,
                       const std::vector<at::Tensor>& kt, const std::vector<int64_t>& ki,
                       const std::vector<at::Tensor>& vt, const std::vector<int64_t>& vi,
-                      const std::vector<int64_t>& li, double scale, int64_t splits, bool exact,
+                      const std::vector<int64_t>& li, double scale, int64_t tiles_per_split, bool exact,
                       const at::Tensor& tcos, const at::Tensor& tsin, const at::Tensor& dcos,
                       const at::Tensor& dsin, double inv_rope_scale) {
   DecodeArgs a;
@@ -214,7 +214,10 @@ void decode_attention(const at::Tensor& pages, const at::Tensor& q, const at::Te
       }
     }
   }
-  const int64_t S = std::max<int64_t>(1, std::min<int64_t>(splits, max_tiles));
+  // split-K at fixed tile boundaries: a request's partial sums, and so its output, do not depend on
+  // the other requests of the batch (the longest one only adds splits that shorter ones skip)
+  const int64_t tps = std::max<int64_t>(1, tiles_per_split);
+  const int64_t S = (max_tiles + tps - 1) / tps;
   a.pages = pages.data_ptr<uint8_t>();
   a.R = (int)R;
   a.Hq = (int)Hq;
@@ -242,7 +245,7 @@ void decode_attention(const at::Tensor& pages, const at::Tensor& q, const at::Te
     a.dsin = dsin.data_ptr<float>();
     a.inv_rope_scale = (float)inv_rope_scale;
   }
-  a.tiles_per_split = (int)((max_tiles + S - 1) / S);
+  a.tiles_per_split = (int)std::min<int64_t>(tps, max_tiles);
   at::Tensor part = at::empty({R * H * S * a.g * (4 + 2 * D)}, q.options());
   a.part = part.data_ptr<float>();
   a.out = out.data_ptr<float>();

@@ -46,7 +46,10 @@ logger = logging.getLogger("vllm.temporalkv")
 
 METHOD_IDS = {"temporal": 0, "channel": 1, "scalar": 2}
 ABI_VERSION = 5  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
-MIN_TILES_PER_SPLIT = 8  # split-K: at least 8 tiles (256 tokens) per split
+# split-K: every request's context is cut at the same 8-tile (256-token) boundaries whatever the batch, so
+# its output does not depend on which requests share the step (a batch-dependent split count changed
+# float32 rounding, and a 2-bit cache amplifies that through the codes of later tokens: benchmarks/stress.py)
+SPLIT_TILES = 8
 # decode_attention's default for half models (see there); float32 models default to the composed RoPE:
 # with no model-dtype rounding to reproduce, both variants agree to float32 rounding (~1e-6)
 _EXACT_ENV = os.environ.get("VLLM_TEMPORALKV_CPU_EXACT")
@@ -205,16 +208,15 @@ def _i32(t: torch.Tensor) -> torch.Tensor:
 # ---- ops ---------------------------------------------------------------------------------------
 
 
-def num_splits(items: int, max_tiles: int) -> int:
-    """Splits per (request, KV head): ~8 work items per thread, at least MIN_TILES_PER_SPLIT tiles each."""
-    target = 8 * max(1, torch.get_num_threads())
-    return max(1, min(-(-target // max(1, items)), -(-max_tiles // MIN_TILES_PER_SPLIT)))
+def num_splits(max_tiles: int, split_tiles: int = SPLIT_TILES) -> int:
+    """Splits per (request, KV head) of a batch whose longest context has max_tiles tiles."""
+    return max(1, -(-max_tiles // split_tiles))
 
 
 @torch.no_grad()
 def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                     out: torch.Tensor | None = None, *, splits: int | None = None,
+                     out: torch.Tensor | None = None, *, split_tiles: int = SPLIT_TILES,
                      exact: bool | None = None) -> torch.Tensor:
     """One query token per request: query [R, Hq, D], this step's key/value [R, Hkv, D], seq_lens [R]
     (cached + the new token), block_tables [R, P].  Reads the pages before this step's write_kv.
@@ -241,15 +243,13 @@ def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Te
     cosT, sinT, tcos, tsin, dcos, dsin = rope_tables(lc.rope, max_len + _C.TILE)[2:]
     if exact is None:
         exact = EXACT if lc.dtype != torch.float32 or _EXACT_ENV is not None else False
-    max_tiles = -(-max_len // _C.TILE)
-    S = splits or num_splits(R * H, max_tiles)
     q32 = query.float().contiguous()
     kn = lc.exact(key).float().contiguous()
     vn = lc.exact(value).float().contiguous()
     o32 = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(R, Hq, D)
     kt, ki, vt, vi, li = _args(lc, H)
-    _C.decode_attention(pages, q32, kn, vn, sl, bt, cosT, sinT, o32, kt, ki, vt, vi, li, float(scale), int(S),
-                        bool(exact), tcos, tsin, dcos, dsin, 1.0 / float(lc.rope.scale))
+    _C.decode_attention(pages, q32, kn, vn, sl, bt, cosT, sinT, o32, kt, ki, vt, vi, li, float(scale),
+                        int(split_tiles), bool(exact), tcos, tsin, dcos, dsin, 1.0 / float(lc.rope.scale))
     if o32 is not out:
         out.copy_(o32)
     return out
