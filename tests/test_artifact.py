@@ -208,3 +208,32 @@ def test_format_not_covered(saved):
 def test_fingerprint_of_smollm2_like_config():
     fp = model_fingerprint(dict(CFG, rope_parameters=None, rope_theta=1e5, head_dim=64))
     assert fp["rope_theta"] == 1e5 and fp["head_dim"] == 64 and fp["rope_type"] == "default"
+
+
+def test_quantizers_of_some_heads(saved):
+    """A tensor-parallel rank's KV heads get their own codebooks and statistics, not the first ones."""
+    art, _ = saved
+    full_k, _ = art.layer_quantizers("temporalkv-2bit", 1)
+    k1, v1 = art.layer_quantizers("temporalkv-2bit", 1, heads=[1])
+    assert torch.equal(k1.codec.centroids[0], full_k.codec.centroids[1])
+    assert torch.equal(k1.stats.std[0], full_k.stats.std[1]) and k1.stats.mean.shape[0] == 1
+    assert v1.codec.centroids.shape[0] == 1
+    with pytest.raises(ArtifactError, match="has 2 KV heads"):
+        art.layer_quantizers("temporalkv-2bit", 1, heads=[2])
+
+
+@pytest.mark.parametrize("total,local,tp,rank,want", [
+    (8, 2, 4, 3, [6, 7]),  # heads split across ranks
+    (3, 3, 1, 0, [0, 1, 2]),  # one process
+    (3, 1, 3, 2, [2]),  # SmolLM2 at TP=3
+    (2, 1, 4, 3, [1]),  # more ranks than heads: each head on tp / total ranks (vLLM's QKVParallelLinear)
+])
+def test_local_kv_heads(monkeypatch, total, local, tp, rank, want):
+    pytest.importorskip("vllm")
+    import vllm.distributed as dist
+
+    from vllm_temporalkv.vllm import compat
+
+    monkeypatch.setattr(dist, "get_tensor_model_parallel_world_size", lambda: tp)
+    monkeypatch.setattr(dist, "get_tensor_model_parallel_rank", lambda: rank)
+    assert compat.local_kv_heads(total, local) == want

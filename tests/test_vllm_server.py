@@ -148,6 +148,20 @@ def test_concurrent_equals_sequential_with_prefix_caching_and_chunking(server_2b
     assert same_text >= len(prompts) - 1
 
 
+def test_seeded_sampling_of_a_chunked_prompt(server_2bit, austen_ids):
+    """vLLM 0.32 on the CPU killed the engine on the first request with a `seed` whose prompt is prefilled in
+    chunks ("CPU Generator does not use offset"; compat.skip_cpu_generator_rewind): such requests are served,
+    reproducibly, and the server goes on serving."""
+    _, ids = austen_ids
+    c = client(server_2bit)
+    prompt = ids[40_000:40_600]  # > the server's 256-token step budget: 3 chunks
+    texts = [c.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0.8, seed=7).choices[0].text
+             for _ in range(2)]
+    assert texts[0] == texts[1] and texts[0]
+    r = c.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert "Paris" in r.choices[0].text
+
+
 def test_server_scores_like_reference_codecs(server_2bit, server_4bit, austen_ids, hf_nll):
     """The server's own scoring of 1500 tokens of Emma (echo + logprobs, prefilled in 256-token
     chunks on the 2-bit server) matches the reference codecs' scoring of the same text and sits

