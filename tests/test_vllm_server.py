@@ -230,3 +230,11 @@ def test_unsupported_setup_refuses_to_start(smollm2_dir, tiny_artifact):
                    "--block-size", "12", env={"VLLM_TEMPORALKV_ARTIFACT": str(tiny_artifact)})
     assert s.wait_exit(300) not in (None, 0)
     assert "--block-size must be a multiple of 8" in s.log(), s.log()[-3000:]
+
+
+def test_bad_option_refuses_to_start(smollm2_dir, tiny_artifact):
+    s = VLLMServer(smollm2_dir, "--kv-cache-dtype", "temporalkv-2bit", "--max-model-len", str(MAX_LEN),
+                   "--additional-config", json.dumps({"temporalkv_artifact": str(tiny_artifact),
+                                                      "temporalkv_outliers": "maybe"}))
+    assert s.wait_exit(300) not in (None, 0)
+    assert "temporalkv_outliers='maybe' is not a boolean" in s.log(), s.log()[-3000:]

@@ -10,6 +10,7 @@ Serving options (``--additional-config`` JSON or environment):
                                                       outputs independent of chunking and batching
                                                       (float64 attention on the CPU, ~5x slower;
                                                       default: vLLM's VLLM_BATCH_INVARIANT)
+An unknown ``temporalkv_*`` key or a value that is not a boolean stops the server with the option's name.
 """
 
 from __future__ import annotations
@@ -54,14 +55,39 @@ def is_ours(kv_cache_dtype) -> bool:
 # configuration
 
 
-def _truthy(v) -> bool:
-    return str(v).lower() in ("1", "true", "yes", "on")
+OPTIONS = ("temporalkv_artifact", "temporalkv_outliers", "temporalkv_batch_invariant")  # --additional-config keys
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _flag(value, where: str) -> bool:
+    """A boolean option: a misspelt value is an error, never a silent false."""
+    if isinstance(value, bool):
+        return value
+    v = str(value).strip().lower()
+    if v in _TRUE or v in _FALSE:
+        return v in _TRUE
+    raise TemporalKVConfigError(f"{where}={value!r} is not a boolean: use true or false (or 1 / 0)")
+
+
+def _option(extra: dict, key: str, env: str, default: str) -> tuple[object, str]:
+    """(value, where it came from, for messages): --additional-config, else the environment, else default."""
+    if key in extra:
+        return extra[key], f"--additional-config {key}"
+    if env in os.environ:
+        return os.environ[env], env
+    return default, key
 
 
 def serving_options(vllm_config) -> dict:
     extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+    unknown = sorted(k for k in extra if str(k).startswith("temporalkv") and k not in OPTIONS)
+    if unknown:
+        raise TemporalKVConfigError(f"--additional-config: unknown option(s) {', '.join(unknown)}; the plugin's "
+                                    f"options are {', '.join(OPTIONS)}")
     model = vllm_config.model_config.model
     path = extra.get("temporalkv_artifact") or os.environ.get(ENV_ARTIFACT)
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise TemporalKVConfigError(f"--additional-config temporalkv_artifact={path!r}: expected a file path (a string)")
     if not path:
         if not Path(model).is_dir():
             raise TemporalKVConfigError(
@@ -70,9 +96,9 @@ def serving_options(vllm_config) -> dict:
                 f"--additional-config '{{\"temporalkv_artifact\": \"PATH\"}}' or set {ENV_ARTIFACT}"
             )
         path = str(default_artifact_path(model))
-    outliers = _truthy(extra.get("temporalkv_outliers", os.environ.get(ENV_OUTLIERS, "0")))
-    invariant = _truthy(extra.get("temporalkv_batch_invariant", os.environ.get(
-        ENV_BATCH_INVARIANT, os.environ.get("VLLM_BATCH_INVARIANT", "0"))))
+    outliers = _flag(*_option(extra, "temporalkv_outliers", ENV_OUTLIERS, "0"))
+    invariant = _flag(*_option(extra, "temporalkv_batch_invariant", ENV_BATCH_INVARIANT,
+                               os.environ.get("VLLM_BATCH_INVARIANT", "0")))
     return {"format": vllm_config.cache_config.cache_dtype, "artifact": path, "outliers": outliers,
             "batch_invariant": invariant, "model": model}
 
