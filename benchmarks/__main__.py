@@ -1,6 +1,7 @@
 """Regenerate every table and plot of the README from scratch.
 
-    python -m benchmarks                 # calibrate (if needed), quality, capacity, retrieval, [kernels], README
+    python -m benchmarks                 # calibrate (if needed), quality, capacity, retrieval, [kernels],
+                                         # cpu kernels, stress, artifact fuzzing, README
     python -m benchmarks --only capacity retrieval
     python -m benchmarks --dry-run       # print the commands
 
@@ -27,6 +28,9 @@ STEPS = {
     "retrieval": (["benchmarks.retrieval"], False),
     "kernels": (["benchmarks.kernels"], True),
     "kernels-cpu": (["benchmarks.kernels_cpu"], False),
+    "stress": (["benchmarks.stress"], False),
+    "stress-parallel": (["benchmarks.stress", "--parallel", "pp2", "tp3"], False),
+    "artifact-fuzz": (["benchmarks.artifact_fuzz"], False),
     "readme": (["benchmarks.readme"], False),
 }
 
