@@ -249,7 +249,7 @@ async def run_solo(client, reqs: list[Req]) -> dict[int, dict]:
 
 def judge(reqs: list[Req], load: list[dict], solo: dict[int, dict]) -> dict:
     counts = {"identical": 0, "within_tolerance": 0, "different": 0}
-    failed, nonfinite, max_diff, first_diff, details = [], 0, 0.0, 0.0, []
+    failed, nonfinite, max_diff, first_diff, details, same_tokens = [], 0, 0.0, 0.0, [], 0
     for r, res in zip(reqs, load):
         if res["error"]:
             failed.append({"idx": r.idx, "kind": r.kind, "error": res["error"]})
@@ -270,6 +270,7 @@ def judge(reqs: list[Req], load: list[dict], solo: dict[int, dict]) -> dict:
         for c in res["choices"]:
             verdict, d = compare(c, s["choices"][0])
             counts[verdict] += 1
+            same_tokens += c.tokens == s["choices"][0].tokens
             max_diff = max(max_diff, d)
             if c.tokens[0] == s["choices"][0].tokens[0]:  # the prompt's cache alone decides the first token
                 first_diff = max(first_diff, abs(c.logprobs[0] - s["choices"][0].logprobs[0]))
@@ -278,7 +279,7 @@ def judge(reqs: list[Req], load: list[dict], solo: dict[int, dict]) -> dict:
             if verdict != "identical":
                 details.append({"idx": r.idx, "kind": r.kind, "prompt_tokens": len(r.prompt), "verdict": verdict,
                                 "max_abs_dlogprob": d, "load": c.tokens, "solo": s["choices"][0].tokens})
-    return {"outputs": counts, "failed": failed, "nonfinite_choices": nonfinite,
+    return {"outputs": counts, "same_tokens": same_tokens, "failed": failed, "nonfinite_choices": nonfinite,
             "max_abs_dlogprob_same_tokens": max_diff, "max_abs_dlogprob_first_token": first_diff,
             "not_identical": details}
 
@@ -339,13 +340,13 @@ def _alive(pids: list[int]) -> dict[int, str]:
     return alive
 
 
-async def sigterm_and_restart(args, server: VLLMServer, make_server, ids: list[int], probe: Req) -> dict:
-    """SIGTERM to the server's main process with requests in flight; then a restart answers the probe as before."""
+async def sigterm_inflight(args, server: VLLMServer, ids: list[int]) -> dict:
+    """SIGTERM to the server's main process with 8 requests in flight: exit code and seconds, whether it hung
+    (then SIGKILLed), processes left behind, in-flight requests finished."""
     import openai
     import psutil
 
     client = openai.AsyncOpenAI(base_url=server.url, api_key="none", timeout=600, max_retries=0)
-    before = (await send(client, probe, solo=True))["choices"]
     inflight = [asyncio.create_task(send(client, Req(20_000 + i, "greedy", ids[90_000 + 800 * i: 90_000 + 800 * i + 700],
                                                      200))) for i in range(8)]
     await asyncio.sleep(3)
@@ -368,6 +369,19 @@ async def sigterm_and_restart(args, server: VLLMServer, make_server, ids: list[i
     for p in left:  # do not leak what the server left behind
         os.kill(p, signal.SIGKILL)
     server.stop()
+    return {"shutdown_timeout": args.shutdown_timeout, "exit_code": rc, "exit_s": round(exit_s, 2),
+            "hung_after_s": limit if hung else None, "hung": hung, "processes": len(group), "left_behind": len(left),
+            "inflight": len(inflight), "inflight_completed": sum(not r["error"] for r in res),
+            "inflight_errors": sorted({r["error"].split(":")[0] for r in res if r["error"]})}
+
+
+async def sigterm_and_restart(args, server: VLLMServer, make_server, ids: list[int], probe: Req) -> dict:
+    """SIGTERM with requests in flight (``sigterm_inflight``); then a restart answers the probe as before."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=server.url, api_key="none", timeout=600, max_retries=0)
+    before = (await send(client, probe, solo=True))["choices"]
+    out = await sigterm_inflight(args, server, ids)
     t1 = time.time()
     restarted = make_server()
     restarted.start()
@@ -376,12 +390,24 @@ async def sigterm_and_restart(args, server: VLLMServer, make_server, ids: list[i
         after = (await send(client2, probe, solo=True))["choices"]
     finally:
         restarted.stop()
-    verdict = compare(after[0], before[0])[0] if before and after else "failed"
-    return {"shutdown_timeout": args.shutdown_timeout, "exit_code": rc, "exit_s": round(exit_s, 2),
-            "hung_after_s": limit if hung else None, "hung": hung, "processes": len(group), "left_behind": len(left),
-            "inflight": len(inflight), "inflight_completed": sum(not r["error"] for r in res),
-            "inflight_errors": sorted({r["error"].split(":")[0] for r in res if r["error"]}),
-            "restart_s": round(time.time() - t1, 1), "probe_after_restart": verdict}
+    out["restart_s"] = round(time.time() - t1, 1)
+    out["probe_after_restart"] = compare(after[0], before[0])[0] if before and after else "failed"
+    return out
+
+
+async def sigterm_trials(args, fmt: str, ids: list[int], n: int) -> list[dict]:
+    """n fresh servers of fmt, each sent SIGTERM with requests in flight: how often a shutdown hangs, per
+    format (``auto`` the control: a hang there is vLLM's own)."""
+    make = server_factory(args, model_dtype(args.dtype), fmt)
+    trials = []
+    for _ in range(n):
+        server = make()
+        server.start()
+        try:
+            trials.append(await sigterm_inflight(args, server, ids))
+        finally:
+            server.stop()
+    return trials
 
 
 # ---- vLLM's parallel engine ---------------------------------------------------------------------
@@ -560,6 +586,10 @@ def headline(res: dict, where: str = "smollm2-cpu") -> dict[str, float]:
          p + "preemptions": res["preemptions"], p + "nonfinite": res["nonfinite_choices"],
          p + "disconnects": res["disconnects"],
          p + "disconnects_freed": sum(d["freed"] for d in res["disconnect_probes"])}
+    if "same_tokens" in res:
+        h[p + "same_tokens"] = res["same_tokens"]
+    if math.isfinite(res["max_abs_dlogprob_first_token"]):  # inf: a first token differed
+        h[p + "first_token_max_abs_dlogprob"] = res["max_abs_dlogprob_first_token"]
     if hp:
         h[p + "hostile_prompts_served"] = sum(v == "served" for k, v in hp.items() if k != "served after them")
     if "sigterm" in res:
@@ -587,6 +617,7 @@ def markdown(run: dict) -> str:
         ("non-finite logprobs (choices)", lambda r: f"{r['nonfinite_choices']}"),
         ("greedy outputs vs alone: identical / within tolerance / different",
          lambda r: "{identical} / {within_tolerance} / {different}".format(**r["outputs"])),
+        ("greedy outputs with the same tokens as alone", lambda r: f"{r.get('same_tokens', '-')}"),
         ("max \\|d logprob\\| first token / all tokens both chose",
          lambda r: f"{r['max_abs_dlogprob_first_token']:.1e} / {r['max_abs_dlogprob_same_tokens']:.1e}"),
         ("client disconnects under load", lambda r: f"{r['disconnects']}"),
@@ -629,6 +660,17 @@ def markdown(run: dict) -> str:
             lines.append(f"| {cfg} | {'yes' if r['ran'] else 'no'} | "
                          f"{', '.join(r['verdicts']) if r['ran'] else '-'} | "
                          f"{('threads ' + str(r['bind']) + ', ' + str(r['seconds']) + ' s') if r['ran'] else r['error']} |")
+    if "sigterm_trials" in run:
+        t = run["sigterm_trials"]
+        lines += ["", f"SIGTERM with 8 requests in flight, each time a fresh server (`{t['record']['command']}`)", "",
+                  "| format | trials | exited (code 0) | hung, killed | exit seconds | processes left behind | "
+                  "in-flight completed |", "|---|---|---|---|---|---|---|"]
+        for fmt, ts in t.items():
+            if fmt == "record":
+                continue
+            lines.append(f"| {fmt} | {len(ts)} | {sum(x['exit_code'] == 0 for x in ts)} | {sum(bool(x['hung']) for x in ts)} | "
+                         f"{', '.join(str(x['exit_s']) for x in ts)} | {sum(x['left_behind'] for x in ts)} | "
+                         f"{sum(x['inflight_completed'] for x in ts)} of {sum(x['inflight'] for x in ts)} |")
     for x in fmts:
         if R[x]["failed"]:
             lines += ["", f"Failures ({x}):", ""] + [f"- #{f['idx']} {f['kind']}: {f['error']}" for f in R[x]["failed"][:20]]
@@ -638,7 +680,7 @@ def markdown(run: dict) -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
-    ap.add_argument("--formats", nargs="+", default=["auto", "temporalkv-2bit"],
+    ap.add_argument("--formats", nargs="+", default=["temporalkv-2bit", "auto"],
                     help="each served in turn with the same requests (auto: vLLM's own cache, the control)")
     ap.add_argument("--artifact", type=Path, default=None, help="calibration artifact (default: the model's)")
     ap.add_argument("--requests", type=int, default=200)
@@ -659,30 +701,41 @@ def main(argv=None) -> dict:
     ap.add_argument("--parallel", nargs="+", choices=list(PARALLEL), default=None,
                     help="instead of the load: outputs of vLLM's parallel engine vs one process, per --formats "
                          "(kept in stress.json next to the load's results)")
+    ap.add_argument("--sigterm-trials", type=int, default=0, metavar="N",
+                    help="instead of the load: N fresh servers per --formats, each sent SIGTERM with requests in "
+                         "flight - how often a shutdown hangs (auto: the control)")
     ap.add_argument("--report", action="store_true",
                     help="only rewrite stress.md (and the headline) from --out's stress.json, e.g. of a run cut short")
     args = ap.parse_args(argv)
     (args.out / "stress-runs").mkdir(parents=True, exist_ok=True)
-    if args.report or args.parallel:
-        saved = args.out / "stress.json"
-        run = json.loads(saved.read_text()) if saved.is_file() else {"record": run_record(), "formats": {}}
-    if args.parallel:
+    saved = args.out / "stress.json"
+    run = json.loads(saved.read_text()) if saved.is_file() else {"record": run_record(), "formats": {}}
+    if args.sigterm_trials:
+        ids = token_ids(args.model)
+        trials = {"record": run_record()}
+        for fmt in args.formats:
+            ensure_calibrated(args, fmt)
+            trials[fmt] = asyncio.run(sigterm_trials(args, fmt, ids, args.sigterm_trials))
+        run["sigterm_trials"] = trials
+        write_json(saved, run)
+    elif args.parallel:
         ids = token_ids(args.model)
         par = {"record": run_record()}
         for fmt in args.formats:
             ensure_calibrated(args, fmt)
             par[fmt] = asyncio.run(parallel_check(args, fmt, args.parallel, ids))
         run["parallel"] = par
-        write_json(args.out / "stress.json", run)
+        write_json(saved, run)
     elif args.report:
         pass
     else:
         ids = token_ids(args.model)
         reqs = make_requests(ids, args.requests, args.max_prompt, args.seed)
-        run = {"record": run_record(), "formats": {}}
+        # the parallel and SIGTERM-trial sections (their own commands) stay
+        run = {"record": run_record(), "formats": {}, **{k: run[k] for k in ("parallel", "sigterm_trials") if k in run}}
         def save(out):  # after each phase: a run cut short keeps what it measured
             run["formats"][out["format"]] = out
-            write_json(args.out / "stress.json", run)
+            write_json(saved, run)
 
         for fmt in args.formats:
             save(asyncio.run(run_format(args, fmt, ids, reqs, save)))
@@ -694,6 +747,10 @@ def main(argv=None) -> dict:
             if fmt != "record":
                 merge_headline({f"stress.{cfg}.{fmt}.matches_single": float(r.get("matches_single", False))
                                 for cfg, r in rep.items() if r["ran"]})
+        for fmt, trials in run.get("sigterm_trials", {}).items():
+            if fmt != "record":
+                merge_headline({f"stress.sigterm_trials.{fmt}.trials": len(trials),
+                                f"stress.sigterm_trials.{fmt}.hung": sum(bool(t["hung"]) for t in trials)})
     print(markdown(run))
     return run
 

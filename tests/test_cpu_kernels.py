@@ -362,3 +362,27 @@ def test_forward_writes_then_reads_back(case):
         for r, (a, b) in calls.items():
             done[r] = b
     assert done == full
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_prefill_does_not_depend_on_chunking(dtype):
+    """ops.cpu.forward (the serving step, float32 attention): a prompt prefilled whole, at page-size chunks or at
+    the arbitrary cuts a loaded scheduler makes gives every query the same output bit for bit.  (A chunk of one
+    token is served as a decode, by the fused decode kernel, which rounds differently.)"""
+    D, n = 64, 600
+    lc = make_cache("temporalkv-2bit", D, True, dtype, 1)
+    g = torch.Generator().manual_seed(12)
+    k, v = torch.randn(n, 2, D, generator=g).to(dtype), torch.randn(n, 2, D, generator=g).to(dtype)
+    q = torch.randn(n, 6, D, generator=g).to(dtype)
+    table = torch.randperm(n // 16 + 1, generator=g)
+    outs = []
+    for cuts in ([0, n], [0, 256, 512, n], [0, 3, 61, 64, 333, 590, n]):
+        pages = torch.zeros(len(table), 2, lc.layout.bytes, dtype=torch.uint8)
+        out = torch.empty(n, 6, D, dtype=dtype)
+        for a, b in zip(cuts, cuts[1:]):
+            pos = torch.arange(a, b)
+            out[a:b] = cpu.forward(lc, pages, q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), torch.tensor([b]),
+                                   table[None], pos, table[pos // 16], D ** -0.5, batch_invariant=False)
+        outs.append(out)
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0]), (o.float() - outs[0].float()).abs().max()

@@ -20,6 +20,7 @@ Cache contract (one layer; ``pages`` is ``[num_pages, H, layout.bytes]`` uint8, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -233,28 +234,62 @@ def _attend(q, k_exact, v_exact, k_dec, v_dec, scale, offset, q_tile: int = 256)
     return out.permute(2, 0, 1, 3).reshape(Tq, Hq, D)
 
 
-def _flash_with_lse(q, k, v, scale, causal: bool = False):
-    """Attention of q [H, Tq, D] over k/v [H, Tk, D] (causal: query i sees keys <= i, top-left aligned):
-    (output [H, Tq, D], log-sum-exp of the scores [H, Tq]).  torch's fused CPU flash kernel returns both
-    (no score matrix in memory); elsewhere plain matmuls."""
-    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if op is not None and q.device.type == "cpu":
-        o, lse = op(q[None], k[None], v[None], is_causal=causal, scale=scale)[:2]
-        return o[0], lse[0]
-    s = (q @ k.transpose(1, 2)) * scale
-    if causal:
-        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1), -math.inf)
-    lse = torch.logsumexp(s, -1)
-    return torch.softmax(s, -1) @ v, lse
+# torch's fused CPU flash kernel (aten/native/cpu/FlashAttentionKernel.cpp) walks keys in 512-key blocks from
+# key 0 (one block when there are fewer) and queries in 32 / 64 / 256-row blocks (by query count); a row in a
+# partial block of either is rounded differently.  Whole blocks of both make each row's float32 result the same
+# however its prompt was chunked (test_fast_prefill_does_not_depend_on_chunking).
+_KV_BLOCK = 512
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _query_rows(t: int) -> int:
+    """t query rows padded to whole query blocks of the CPU flash kernel."""
+    for step, below in ((32, 192), (64, 768)):
+        r = -(-t // step) * step
+        if r < below:
+            return r
+    return -(-t // 256) * 256
+
+
+@functools.lru_cache(maxsize=4)  # the layers of a step share one
+def _before_own_block(offset: int, tq: int, rows: int, keys: int, device: str) -> torch.Tensor:
+    """[rows, keys] additive mask: query row t (position offset + t) sees the keys before its own block of
+    BLOCK_TOKENS; the padding rows see key 0 (their output is dropped)."""
+    pos = offset + torch.arange(rows, device=device)
+    lo = torch.where(pos < offset + tq, pos // BLOCK_TOKENS * BLOCK_TOKENS, 1)
+    return torch.zeros(rows, keys, device=device).masked_fill_(torch.arange(keys, device=device)[None, :] >= lo[:, None],
+                                                               -math.inf)
+
+
+def _flash_before_own_block(qh, kd, vd, scale: float, offset: int):
+    """Queries qh [H, Tq, D] at positions offset.. over the keys kd / vd [H, >= offset + Tq, D] before each
+    query's own block: (o, lse); lse = -inf and o = 0 for the queries of block 0, which see none."""
+    H, tq, D = qh.shape
+    n = kd.shape[1]
+    op = _CPU_FLASH
+    if op is not None and qh.device.type == "cpu":  # fused, shaped to whole blocks (see _KV_BLOCK)
+        rows, keys = _query_rows(tq), -(-n // _KV_BLOCK) * _KV_BLOCK
+        mask = _before_own_block(offset, tq, rows, keys, "cpu")
+        pad = lambda t, r: torch.nn.functional.pad(t, (0, 0, 0, r - t.shape[1])) if r > t.shape[1] else t  # noqa: E731
+        o, lse = op(pad(qh, rows)[None], pad(kd, keys)[None], pad(vd, keys)[None], attn_mask=mask[None, None],
+                    scale=scale)[:2]
+        o, lse = o[0, :, :tq], lse[0, :, :tq]
+    else:  # plain matmuls
+        s = (qh @ kd.transpose(1, 2)).mul_(scale) + _before_own_block(offset, tq, tq, n, str(qh.device))
+        lse = torch.logsumexp(s, -1)
+        o = torch.softmax(s, -1) @ vd
+    blind = offset + torch.arange(tq, device=qh.device) < BLOCK_TOKENS  # block 0: nothing before it
+    if bool(blind.any()):
+        lse = lse.masked_fill(blind, -math.inf)
+        o = o.masked_fill(blind[:, None], 0.0)
+    return o, lse
 
 
 def _attend_fast(q, k_exact, v_exact, k_dec, v_dec, scale, offset):
-    """What _attend computes, in float32 (the serving default), as two fused flash attentions and a
-    small correction: every query attends causally to the *decoded* keys (the context's in full, the
-    chunk's causally), then, per block of 8 queries, the decoded keys of its own block are swapped for
-    the exact ones through the log-sum-exp: A = Z o - sum_own e^(s_dec) v_dec + sum_own e^(s_exact) v_exact,
-    Z likewise (at most 8 keys per query).  ~2x faster than one flash call per query tile with a band,
-    and ~10x faster than _attend; float32 rounding then depends on how a prompt was chunked."""
+    """What _attend computes, in float32 (the serving default): one fused flash attention of every query over
+    the decoded keys before its own block, then its own block's exact keys up to itself (at most 8) merged in
+    through the log-sum-exp.  ~10x faster than _attend.  On the CPU a query's result is bit for bit the same
+    however its prompt was chunked: the keys it sees are the same, and each part is rounded the same way."""
     Tq, Hq, D = q.shape
     Hkv = k_exact.shape[1]
     g = Hq // Hkv
@@ -266,14 +301,9 @@ def _attend_fast(q, k_exact, v_exact, k_dec, v_dec, scale, offset):
     def heads(t):  # [Tk, Hkv, D] -> [Hq, Tk, D]: each KV head once per query head of its group
         return t.to(f).transpose(0, 1).repeat_interleave(g, 0)
 
-    kd, vd = heads(k_dec[:n]), heads(v_dec[:n])
-    o, lse = _flash_with_lse(qh, kd[:, offset:], vd[:, offset:], scale, causal=True)
-    if offset > 0:  # merge with the context, seen whole by every query
-        oc, lc_ = _flash_with_lse(qh, kd[:, :offset], vd[:, :offset], scale)
-        m = torch.maximum(lse, lc_)
-        wa, wb = (lc_ - m).exp(), (lse - m).exp()
-        o = (wa[..., None] * oc + wb[..., None] * o) / (wa + wb)[..., None]
-        lse = m + (wa + wb).log()
+    # the decoded keys before the last query's own block (none: all queries in block 0, one dummy key)
+    kend = max((n - 1) // BLOCK_TOKENS * BLOCK_TOKENS, 1)
+    o, lse = _flash_before_own_block(qh, heads(k_dec[:kend]), heads(v_dec[:kend]), scale, offset)
     # own blocks: queries padded to whole blocks from p0, the first key of the first query's block
     p0 = offset // BLOCK_TOKENS * BLOCK_TOKENS
     front = offset - p0
@@ -293,56 +323,18 @@ def _attend_fast(q, k_exact, v_exact, k_dec, v_dec, scale, offset):
         x = t[p0:hi].to(f).transpose(0, 1)
         return pad(x, 0, W - (hi - p0)).reshape(Hkv, 1, nb, BLOCK_TOKENS, D)
 
-    kdb, vdb, keb, veb = kblocks(k_dec), kblocks(v_dec), kblocks(k_exact), kblocks(v_exact)
+    keb, veb = kblocks(k_exact), kblocks(v_exact)
     r = torch.arange(BLOCK_TOKENS, device=dev)
     kpos = p0 + torch.arange(W, device=dev).view(nb, BLOCK_TOKENS)
     see = (r[None, None, :] <= r[None, :, None]) & (kpos < n)[:, None, :]  # [nb, 8 queries, 8 keys]
-    sd = (qb @ kdb.transpose(-1, -2)).mul_(scale).masked_fill_(~see, -math.inf)
     se = (qb @ keb.transpose(-1, -2)).mul_(scale).masked_fill_(~see, -math.inf)
     m = torch.maximum(lseb, se.amax(-1))  # finite for every real query: it sees itself
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # padding rows
-    wd, we = (sd - m[..., None]).exp(), (se - m[..., None]).exp()
+    we = (se - m[..., None]).exp()
     z = (lseb - m).exp()
-    dsum = wd.sum(-1)
-    acc = z[..., None] * ob - wd @ vdb + we @ veb
-    zz = z - dsum + we.sum(-1)
-    out = (acc / zz[..., None]).reshape(Hq, W, D)[:, front:front + Tq]
-    # where the own block held most of the decoded mass, the subtraction loses digits (float32 error x
-    # z / (z - dsum)): those queries, rare in real attention, are computed directly instead
-    risky = (dsum > _CANCEL * z).reshape(Hq, W)[:, front:front + Tq]
-    if bool(risky.any()):
-        _recompute(out, risky, qh, kd, vd, k_exact, v_exact, g, scale, offset)
+    acc = z[..., None] * ob + we @ veb
+    out = (acc / (z + we.sum(-1))[..., None]).reshape(Hq, W, D)[:, front:front + Tq]
     return out.transpose(0, 1)
-
-
-def _recompute(out, risky, qh, kd, vd, k_exact, v_exact, g: int, scale: float, offset: int, rows: int = 512):
-    """out[h, t] for the risky (head, query) pairs, directly: decoded keys before the query's own block,
-    exact keys of the block up to the query, one softmax.  Batched per head (rows at a time)."""
-    n = kd.shape[1]
-    dev = qh.device
-    r8 = torch.arange(BLOCK_TOKENS, device=dev)
-    kidx = torch.arange(n, device=dev)
-    for h in range(qh.shape[0]):
-        ts_all = risky[h].nonzero().squeeze(1)
-        for c in range(0, ts_all.numel(), rows):
-            ts = ts_all[c:c + rows]
-            i = offset + ts
-            lo = i // BLOCK_TOKENS * BLOCK_TOKENS
-            qq = qh[h, ts]  # [m, D]
-            s_ctx = (qq @ kd[h].transpose(0, 1)).mul_(scale)  # [m, n]
-            s_ctx.masked_fill_(kidx[None, :] >= lo[:, None], -math.inf)
-            own = lo[:, None] + r8  # [m, 8] the own block's positions (those past i masked)
-            ownc = own.clamp_max(n - 1)
-            ke = k_exact[ownc, h // g].float()  # [m, 8, D]
-            ve = v_exact[ownc, h // g].float()
-            s_own = (ke @ qq[:, :, None]).squeeze(-1).mul_(scale).masked_fill_(own > i[:, None], -math.inf)
-            p = torch.softmax(torch.cat([s_ctx, s_own], 1), 1)
-            out[h, ts] = p[:, :n] @ vd[h] + (p[:, n:, None] * ve).sum(1)
-
-
-# _attend_fast recomputes a query directly when its own block held more than this share of its decoded
-# attention mass (the correction then amplifies float32 rounding by at most 1 / (1 - _CANCEL) = 10x)
-_CANCEL = 0.9
 
 
 @torch.no_grad()
