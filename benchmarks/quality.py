@@ -9,7 +9,8 @@ chunk (the server instead keeps an incomplete chunk in half precision); see the 
     python -m benchmarks.quality --artifact A [--ablation-artifact B] [--windows 8] [--data brown]
 
 Configurations: ``bf16`` (the uncompressed KV cache: K/V rounded to bf16), every format with and
-without 1% outliers (``<format>-o1``), and the ablations: Fisher vs unweighted k-means
+without 1% outliers (``<format>-o1``), the seed methods not served yet (``selective-int8``, ``selective-int4``,
+``tada-4bit``, ``tada-2bit``, ``qjl``: benchmarks/quality_seeds.py, thesis protocol), and the ablations: Fisher vs unweighted k-means
 (``<format>@unweighted``, needs ``--ablation-artifact`` calibrated with ``--no-fisher``), sinks
 compressed (``@sinks-compressed``), pure temporal chunking instead of the hybrid
 (``@pure-temporal``).  Results go to benchmarks/results/quality.{json,md} and PNG plots; each
@@ -32,15 +33,17 @@ from vllm_temporalkv.hf_hooks import kv_output_hooks
 from vllm_temporalkv.layout import bits_per_float
 
 from .common import RESULTS, merge_headline, run_record, write_json
+from .quality_seeds import SEED_CONFIGS, SeedSimulator, is_seed_config
 
 KV_DTYPE = torch.bfloat16
 ABLATION_FORMATS = ("temporalkv-2bit", "temporalkv-1bit")
 
 
-def config_names(formats: list[str], ablations: bool, have_unweighted: bool) -> list[str]:
+def config_names(formats: list[str], ablations: bool, have_unweighted: bool, seeds: tuple[str, ...] = ()) -> list[str]:
     names = ["bf16"]
     for f in formats:
         names += [f, f"{f}-o1"]
+    names += list(seeds)
     if ablations:
         for f in ABLATION_FORMATS:
             if f not in formats:
@@ -153,7 +156,11 @@ def window_nll(model, windows: torch.Tensor, hook) -> tuple[float, int]:
     return nll, count
 
 
-def _report(settings: dict, res: dict, art: Artifact, formats: list[str]) -> dict:
+def _report(settings: dict, res: dict, art: Artifact | None, formats: list[str], prev: dict | None = None) -> dict:
+    if art is None:  # a run of artifact-free configurations keeps what the last one said of the artifact
+        prev = prev or {}
+        return {"settings": settings, "configs": res, "run": run_record(),
+                "hybrid": prev.get("hybrid", {}), "centroid_bytes": prev.get("centroid_bytes", {})}
     return {"settings": settings, "configs": res, "run": run_record(),
             "hybrid": {f: art.layer_methods[f] for f in formats if get_format(f).hybrid},
             "centroid_bytes": {f: art.centroid_bytes(f) for f in formats}}
@@ -170,42 +177,63 @@ def run(args) -> dict:
     from vllm_temporalkv.artifact import model_fingerprint
 
     fp = model_fingerprint(model.config)
-    art = Artifact.load(art_path, expect=fp, model_hint=args.model)
-    unweighted = Artifact.load(args.ablation_artifact, expect=fp) if args.ablation_artifact else None
-    formats = [f for f in (args.formats or list(FORMATS)) if f in art.formats]
-    names = config_names(formats, not args.no_ablations, unweighted is not None)
-    windows = token_windows(tok, load_corpus(args.data), args.seq_len, args.windows)
-
+    wanted = args.formats or [*FORMATS, *SEED_CONFIGS]
+    bad = [f for f in wanted if f not in FORMATS and not is_seed_config(f)]
+    if bad:
+        raise SystemExit(f"unknown --formats {bad}; known: {', '.join([*FORMATS, *SEED_CONFIGS])}")
+    seeds = tuple(f for f in wanted if is_seed_config(f))
+    if seeds and args.protocol != "thesis":
+        raise SystemExit(f"{', '.join(seeds)}: simulated in the thesis protocol only (benchmarks/quality_seeds.py)")
     suffix = "" if args.protocol == "thesis" else f"-{args.protocol}"
     out_json = Path(args.out) / f"quality{suffix}.json"
-    settings = dict(protocol=args.protocol, data=args.data, windows=args.windows, seq_len=args.seq_len, model=str(args.model or "smollm2"),
-                    artifact_calibration=art.calibration, fingerprint=fp)
-    res = {}
+    prev = {}
     if out_json.is_file():
         import json
 
         prev = json.loads(out_json.read_text())
-        if prev.get("settings") == settings:
-            res = prev.get("configs", {})
+    # the artifact only where a format asks for one: the seed methods need no calibration
+    need_art = any(f in FORMATS for f in wanted)
+    if need_art:
+        art = Artifact.load(art_path, expect=fp, model_hint=args.model)
+        calibration, formats = art.calibration, [f for f in wanted if f in art.formats]
+    else:
+        art, formats = None, []
+        calibration = prev.get("settings", {}).get("artifact_calibration")
+    unweighted = Artifact.load(args.ablation_artifact, expect=fp) if args.ablation_artifact else None
+    names = config_names(formats, not args.no_ablations and need_art, unweighted is not None, seeds)
+    windows = token_windows(tok, load_corpus(args.data), args.seq_len, args.windows)
+
+    settings = dict(protocol=args.protocol, data=args.data, windows=args.windows, seq_len=args.seq_len, model=str(args.model or "smollm2"),
+                    artifact_calibration=calibration, fingerprint=fp)
+    res = {}
+    if prev:
+        same = {k: v for k, v in settings.items() if k != "artifact_calibration"}
+        if {k: v for k, v in prev.get("settings", {}).items() if k != "artifact_calibration"} == same:
+            # configurations that use no artifact stay valid across calibrations
+            res = {n: r for n, r in prev.get("configs", {}).items()
+                   if prev["settings"].get("artifact_calibration") == calibration or n == "bf16" or is_seed_config(n)}
     todo = [n for n in names if n not in res]
     print(f"{len(names)} configurations, {len(todo)} to run, {args.windows} x {args.seq_len} tokens of {args.data}")
     for name in tqdm(todo, desc="configs", unit="config"):
         t0 = time.time()
-        nll, n = window_nll(model, windows, Simulator(name, art, unweighted, args.protocol))
-        fmt, outliers, _ = parse_config(name)
-        res[name] = {
-            "ppl": math.exp(nll / n),
-            "nll": nll / n,
-            "tokens": n,
-            "seconds": round(time.time() - t0, 1),
-            "bits": bits_per_float(get_format(fmt), fp["head_dim"], args.seq_len, outliers) if fmt else {"total": 16.0},
-        }
+        if is_seed_config(name):
+            sim = SeedSimulator(name, model.config, KV_DTYPE)
+            bits = sim.bits(args.seq_len)
+        else:
+            sim = Simulator(name, art, unweighted, args.protocol)
+            fmt, outliers, _ = parse_config(name)
+            bits = bits_per_float(get_format(fmt), fp["head_dim"], args.seq_len, outliers) if fmt else {"total": 16.0}
+        nll, n = window_nll(model, windows, sim)
+        res[name] = {"ppl": math.exp(nll / n), "nll": nll / n, "tokens": n, "seconds": round(time.time() - t0, 1),
+                     "bits": bits}
         tqdm.write(f"{name:34} ppl {res[name]['ppl']:.3f}  ({res[name]['seconds']:.0f} s)")
-        write_json(out_json, _report(settings, res, art, formats))
-    report = _report(settings, res, art, formats)
+        write_json(out_json, _report(settings, res, art, formats, prev))
+    report = _report(settings, res, art, formats, prev)
     write_json(out_json, report)
 
     figures = {f"quality.{args.data}{suffix}.{name}.ppl": r["ppl"] for name, r in res.items() if "@" not in name}
+    figures.update({f"quality.{args.data}{suffix}.{name}.bits_per_float": r["bits"]["total"]
+                    for name, r in res.items() if "@" not in name})
     if not args.no_headline:
         merge_headline(figures)
     write_markdown(report, Path(args.out) / f"quality{suffix}.md")
@@ -250,6 +278,14 @@ def write_markdown(report: dict, path: Path) -> None:
                 f"| {bits} | {f} | {res[f]['ppl']:.3f} | {o.get('ppl', float('nan')):.3f} | "
                 f"{res[f]['bits']['total']:.3f} | {o.get('bits', {}).get('total', float('nan')):.3f} | {cb:.2f} MiB |"
             )
+    seeds = [n for n in res if is_seed_config(n)]
+    if seeds:
+        lines += ["", "## Seed methods, not served yet (benchmarks/quality_seeds.py; all-in bits at "
+                  f"{ctx} tokens, windows included)", "",
+                  "| method | ppl | bits/float K | bits/float V | bits/float |", "|---|---|---|---|---|"]
+        for n in sorted(seeds, key=lambda n: -res[n]["bits"]["total"]):
+            b = res[n]["bits"]
+            lines.append(f"| {n} | {res[n]['ppl']:.3f} | {b['k']:.3f} | {b['v']:.3f} | {b['total']:.3f} |")
     abl = [n for n in res if "@" in n]
     if abl:
         lines += ["", "## Ablations (no outliers)", "", "| configuration | ppl | method as calibrated |", "|---|---|---|"]
@@ -266,7 +302,7 @@ def write_markdown(report: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def plot(report: dict, art: Artifact, out: Path, suffix: str = "") -> None:
+def plot(report: dict, art: Artifact | None, out: Path, suffix: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -294,7 +330,8 @@ def plot(report: dict, art: Artifact, out: Path, suffix: str = "") -> None:
     fig.savefig(out / f"quality{suffix}_ppl.png", dpi=120)
     plt.close(fig)
 
-    tables = {f: t for f, t in art.mse.items() if f in report.get("hybrid", {})}
+    plot_pareto(report, out / f"quality{suffix}_pareto.png")
+    tables = {} if art is None else {f: t for f, t in art.mse.items() if f in report.get("hybrid", {})}
     if tables:
         fig, axes = plt.subplots(1, len(tables), figsize=(5 * len(tables), 4), squeeze=False)
         for ax, (f, t) in zip(axes[0], sorted(tables.items())):
@@ -312,6 +349,47 @@ def plot(report: dict, art: Artifact, out: Path, suffix: str = "") -> None:
         fig.tight_layout()
         fig.savefig(out / "quality_layer_mse.png", dpi=120)
         plt.close(fig)
+
+
+PARETO_STYLES = {"kvquant": "s", "channelkv": "^", "temporalkv": "o", "selective": "D", "tada": "v", "qjl": "P"}
+
+
+def _family(name: str) -> str:
+    return name.split("-")[0]
+
+
+def plot_pareto(report: dict, path: Path) -> None:
+    """Every method at its all-in bits per float vs perplexity: the picture a user chooses from."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = {n: r for n, r in report["configs"].items() if "@" not in n and n != "bf16"}
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for fam, marker in PARETO_STYLES.items():
+        for outl, fill in ((False, "full"), (True, "none")):
+            pts = sorted((r["bits"]["total"], r["ppl"], n) for n, r in res.items()
+                         if _family(n) == fam and n.endswith("-o1") == outl)
+            if not pts:
+                continue
+            ax.plot([b for b, _, _ in pts], [q for _, q, _ in pts], marker=marker, fillstyle=fill, ls="-" if not outl else ":",
+                    label=fam + (" +1% outliers" if outl else ""))
+            for b, q, n in pts:
+                ax.annotate(n.split("-", 1)[1].removesuffix("-o1"), (b, q), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    if "bf16" in report["configs"]:
+        ax.axhline(report["configs"]["bf16"]["ppl"], color="gray", lw=1, label="bf16 (16 bits)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("bits per float, all-in (codes, scales, norms, means, outliers, sinks, windows)")
+    ax.set_ylabel(f"perplexity ({report['settings']['data']})")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(f"{report['settings']['model']}: every method, {report['settings']['windows']} x "
+                 f"{report['settings']['seq_len']} tokens ({report['settings']['protocol']} protocol)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv=None):

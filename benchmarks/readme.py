@@ -43,6 +43,30 @@ def quality_table(h: dict) -> list[str]:
     return out
 
 
+def pareto_table(h: dict) -> list[str]:
+    """Every method with a measured all-in bits per float, fewest bits last: the frontier a user picks from."""
+    rows: dict[str, dict[str, dict[str, float]]] = {}
+    for k, v in h.items():
+        m = re.fullmatch(r"quality\.([^.]+)\.(.+)\.(ppl|bits_per_float)", k)
+        if m:
+            rows.setdefault(m.group(1), {}).setdefault(m.group(2), {})[m.group(3)] = v
+    out = []
+    for data, r in sorted(rows.items()):
+        pts = {n: x for n, x in r.items() if "bits_per_float" in x and "ppl" in x and n != "bf16"}
+        if not pts:
+            continue
+        base = r.get("bf16", {}).get("ppl")
+        out += [f"**Every method at its all-in bits per float, {data}** (codes, scales, norms, means, outliers, "
+                "sinks and recent windows at 2048 tokens; selective, TaDA and QJL are simulated, not served yet; "
+                "chart: [benchmarks/results/quality_pareto.png](benchmarks/results/quality_pareto.png))", "",
+                "| method | bits/float | ppl | ppl ÷ bf16 |", "|---|---|---|---|"]
+        for n, x in sorted(pts.items(), key=lambda kv: (-kv[1]["bits_per_float"], kv[1]["ppl"])):
+            out.append(f"| {n} | {_fmt(x['bits_per_float'])} | {_fmt(x['ppl'])} | "
+                       f"{_fmt(x['ppl'] / base) if base else '–'} |")
+        out.append("")
+    return out
+
+
 def capacity_table(h: dict) -> list[str]:
     rows: dict[str, dict[str, float]] = {}
     for k, v in h.items():
@@ -148,6 +172,7 @@ def generic_table(h: dict, bench: str, title: str, skip: str | None = None) -> l
 
 def render(h: dict) -> str:
     lines = quality_table(h)
+    lines += pareto_table(h)
     lines += capacity_table(h)
     lines += fisher_table(h)
     lines += retrieval_table(h)

@@ -87,3 +87,49 @@ def test_quality_harness_protocol(tiny_artifact, smollm2_dir, tmp_path):
     y = sim(4, "k", x)
     assert torch.equal(y[0, :SINK_TOKENS], x[0, :SINK_TOKENS].bfloat16().float())
     assert not torch.equal(y[0, SINK_TOKENS:], x[0, SINK_TOKENS:].bfloat16().float())
+
+
+def test_quality_harness_seed_methods(smollm2_dir, tmp_path):
+    """Selective, TaDA and QJL in the thesis protocol: their exact tokens stay bit-exact, the rest is changed,
+    fewer bits cost more NLL, and QJL's key surrogate gives attention its score estimate."""
+    from benchmarks.quality_seeds import SEED_CONFIGS, SeedSimulator
+    from benchmarks.quality import window_nll
+    from vllm_temporalkv.codecs import qjl
+    from vllm_temporalkv.corpora import load_corpus, token_windows
+    from vllm_temporalkv.models import load_tokenizer
+    from vllm_temporalkv.rope import Rope
+
+    model = load_hf_model(smollm2_dir)
+    cfg = model.config
+    sims = {n: SeedSimulator(n, cfg, torch.bfloat16) for n in SEED_CONFIGS}
+    x = torch.randn(1, 300, 3, 64)
+    xb = x.bfloat16().float()
+    for n, sim in sims.items():
+        for kind in "kv":
+            y = sim(3, kind, x)
+            # 300 tokens: selective keeps 8 sinks + 128 recent, TaDA its residual buffer (300 - 256), QJL its key
+            # blocks of 128 (300 - 256) and 128 recent values
+            exact = {"selective": torch.cat([torch.arange(8), torch.arange(172, 300)]),
+                     "tada": torch.arange(256, 300)}.get(sim.method, torch.arange(256 if kind == "k" else 172, 300))
+            assert torch.equal(y[0, exact], xb[0, exact]), (n, kind)
+            comp = torch.ones(300, dtype=torch.bool)
+            comp[exact] = False
+            assert (y[0, comp] != xb[0, comp]).any(), (n, kind)
+    # QJL: <rope(q), rope(k_hat)> is the estimator on the post-RoPE keys, position by position
+    sim = sims["qjl"]
+    y = sim(20, "k", x)[0, :256]
+    rope, pos = Rope(cfg), torch.arange(256)
+    m, m_o = sim.dims[20]
+    enc = qjl.encode_keys(rope.apply(xb[0, :256], pos).bfloat16(), sim.S[m], m_o)
+    q = torch.randn(1, 3, 64)
+    want = qjl.attention_logits(q, enc, sim.S[m], scale=1.0)[0]  # [H, T]
+    got = (rope.apply(y, pos) * q).sum(-1).T
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    # through the model: all compress, lower bits cost more
+    ids = token_windows(load_tokenizer(smollm2_dir), load_corpus("brown"), 384, 1)
+    nll = {n: window_nll(model, ids, s)[0] for n, s in sims.items()}
+    base = window_nll(model, ids, lambda layer, kind, out: out.to(torch.bfloat16).to(out.dtype))[0]
+    assert all(v > base for v in nll.values()), (nll, base)
+    assert nll["selective-int4"] > nll["selective-int8"] and nll["tada-2bit"] > nll["tada-4bit"], nll
+    bits = {n: s.bits(2048)["total"] for n, s in sims.items()}
+    assert bits["selective-int8"] > bits["selective-int4"] > 4 and bits["tada-4bit"] > bits["tada-2bit"], bits

@@ -5,6 +5,8 @@ from benchmarks.readme import render
 
 def test_render_places_every_kind_of_figure():
     h = {"quality.brown.bf16.ppl": 32.0, "quality.brown.temporalkv-2bit.ppl": 40.5,
+         "quality.brown.temporalkv-2bit.bits_per_float": 2.08, "quality.brown.qjl.ppl": 33.1,
+         "quality.brown.qjl.bits_per_float": 4.5,
          "capacity.smollm2-cpu.temporalkv-2bit.ratio_vs_auto": 7.1, "capacity.smollm2-cpu.fp8.ratio_vs_auto": 2.0,
          "retrieval.smollm2.auto.avg_accuracy": 0.8, "retrieval.smollm2.auto.avg_accuracy_4k_8k": 0.5,
          "retrieval.smollm2.temporalkv-2bit.avg_accuracy": 0.7, "retrieval.smollm2.temporalkv-2bit.avg_accuracy_4k_8k": 0.4,
@@ -14,6 +16,8 @@ def test_render_places_every_kind_of_figure():
          "fisher.wiki-leads-8w.temporalkv-2bit@fisher.ppl_held_out": 40.42}
     text = render(h)
     assert "| 16 (bf16) | 32.00 |" in text and "40.50" in text
+    pareto = [ln for ln in text.splitlines() if ln.startswith(("| qjl |", "| temporalkv-2bit | 2.08"))]
+    assert pareto == ["| qjl | 4.50 | 33.10 | 1.03 |", "| temporalkv-2bit | 2.08 | 40.50 | 1.27 |"]
     assert "7.10" in text and "fp8 2.00×" in text
     lines = text.splitlines()
     auto = next(i for i, ln in enumerate(lines) if ln.startswith("| auto |"))

@@ -1,6 +1,11 @@
 """Reference codecs in plain torch: the truth that kernels, the vLLM backend and calibration are
 tested against.  One module per method (temporal, channel, scalar = KVQuant-style) behind the ``Codec``
-interface; ``quantizer`` adds what every method shares (normalization, sinks, blocks, outliers)."""
+interface; ``quantizer`` adds what every method shares (normalization, sinks, blocks, outliers).
+
+The seed baselines that are not codebook methods have reference codecs of their own shape, used by the
+quality harness (benchmarks/quality_seeds.py) and not served yet: ``selective`` (seed 003, per-token
+symmetric int8 / int4), ``tada`` (seed 004, mean across KV heads + asymmetric deviations, per-layer bits
+search) and ``qjl`` (seed 002, 1-bit JL key sketches + 2-bit values)."""
 
 from .base import Codec, exact_sq_dist, nearest
 from .channel import ChannelCodec

@@ -1,0 +1,107 @@
+"""The seed methods not served yet - selective sink+recent quantization (seed 003), TaDA (004), QJL (002) -
+in the quality harness's thesis protocol, on equal terms with the served formats.
+
+As for the formats, every query sees the cache as it stands once the whole window has been written: what the
+method keeps exact at that point (sinks, recent window, residual buffer) stays exact, the rest is compressed
+and decompressed in place of the model's pre-RoPE K / V (hooks on the projections; RoPE is applied after).
+QJL never reconstructs a key: its keys are replaced by the surrogate k_hat whose dot product with any query is
+QJL's score estimate (codecs/qjl.py), sketched post-RoPE as in the official code and rotated back.
+
+Bits per float are all-in at the window's length: codes, scales, minimums, norms, means, sketches, and the
+exact tokens (sinks, windows) in 16 bits; QJL's shared sketch matrices are per model, like centroids.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_temporalkv.codecs import qjl
+from vllm_temporalkv.codecs.selective import SelectiveCodec, selective_mask
+from vllm_temporalkv.codecs.tada import RESIDUAL_TOKENS, TadaCodec, tada_mask
+from vllm_temporalkv.formats import SINK_TOKENS
+
+# name -> (method, bits of the compressed values); QJL's bits follow from its sketch sizes
+SEED_CONFIGS: dict[str, tuple[str, int | None]] = {
+    "selective-int8": ("selective", 8),
+    "selective-int4": ("selective", 4),
+    "tada-4bit": ("tada", 4),
+    "tada-2bit": ("tada", 2),
+    "qjl": ("qjl", None),
+}
+# the selective paper leaves its sink and window sizes open: our sinks, and the window QJL and TaDA keep
+SELECTIVE_SINKS = SINK_TOKENS
+SELECTIVE_WINDOW = 128
+
+
+def is_seed_config(name: str) -> bool:
+    return name in SEED_CONFIGS
+
+
+class SeedSimulator:
+    """Fake-quant hook (benchmarks.quality.Simulator's interface) for one seed-method configuration."""
+
+    protocol = "thesis"
+
+    def __init__(self, name: str, hf_config, kv_dtype: torch.dtype, seed: int = 0):
+        from vllm_temporalkv.hf_hooks import check_supported
+        from vllm_temporalkv.rope import Rope
+
+        check_supported(hf_config)
+        self.method, bits = SEED_CONFIGS[name]
+        self.kv_dtype = kv_dtype
+        heads = hf_config.num_attention_heads
+        self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        self.kv_heads = hf_config.num_key_value_heads or heads
+        self.layers = hf_config.num_hidden_layers
+        if self.method == "selective":
+            self.codec = SelectiveCodec(bits)
+        elif self.method == "tada":
+            self.codec = TadaCodec(bits)
+        else:
+            self.rope = Rope(hf_config)
+            # one S per sketch size, shared by every head and layer using it (official code)
+            self.dims = [qjl.default_sketch_dims(self.head_dim, layer) for layer in range(self.layers)]
+            self.S = {m: qjl.sketch_matrix(self.head_dim, m, seed=seed + i)
+                      for i, m in enumerate(sorted({m for m, _ in self.dims}))}
+
+    def __call__(self, layer: int, kind: str, out: torch.Tensor) -> torch.Tensor:
+        x = out.to(self.kv_dtype)  # the cache's half precision, as for the formats
+        return torch.stack([self._one(layer, kind, x[b]) for b in range(x.shape[0])]).to(out.dtype)
+
+    def _one(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
+        """One sequence [T, H, D] of pre-RoPE keys or values -> what attention sees, float32."""
+        if self.method == "selective":
+            return self.codec.fake_quant(x, SELECTIVE_SINKS, SELECTIVE_WINDOW).float()
+        if self.method == "tada":
+            return self.codec.fake_quant(x, RESIDUAL_TOKENS).float()
+        T = x.shape[0]
+        out = x.float().clone()
+        if kind == "v":
+            mask = qjl.qjl_recent_mask(T, qjl.WINDOW)
+            out[mask] = qjl.roundtrip_values(x[mask]).float()
+            return out
+        n = int(qjl.qjl_recent_mask(T, qjl.WINDOW, block=True).sum())  # keys flushed in whole blocks
+        if n:
+            m, m_o = self.dims[layer]
+            pos = torch.arange(n, device=x.device)
+            post = self.rope.apply(x[:n], pos).to(x.dtype)  # keys as the model's cache would hold them
+            k_hat = qjl.key_surrogate(qjl.encode_keys(post, self.S[m], m_o), self.S[m])
+            out[:n] = self.rope.invert(k_hat, pos)
+        return out
+
+    def bits(self, seq_len: int) -> dict[str, float]:
+        """All-in bits per float at seq_len tokens (module docstring); 'total' as for the formats."""
+        D, H, T = self.head_dim, self.kv_heads, seq_len
+        if self.method == "selective":
+            n = int(selective_mask(T, SELECTIVE_SINKS, SELECTIVE_WINDOW).sum())
+            k = v = (n * self.codec.bits_per_float(D) + (T - n) * 16) / T
+        elif self.method == "tada":
+            n = int(tada_mask(T, RESIDUAL_TOKENS).sum())
+            k = v = (n * self.codec.bits_per_float(D, H) + (T - n) * 16) / T
+        else:
+            nk = int(qjl.qjl_recent_mask(T, qjl.WINDOW, block=True).sum())
+            nv = int(qjl.qjl_recent_mask(T, qjl.WINDOW).sum())
+            per = [qjl.bits_per_float(D, m, m_o) for m, m_o in self.dims]
+            k = sum((nk * b.k + (T - nk) * 16) / T for b in per) / len(per)
+            v = sum((nv * b.v + (T - nv) * 16) / T for b in per) / len(per)
+        return {"k": k, "v": v, "total": (k + v) / 2}
