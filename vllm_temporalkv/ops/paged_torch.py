@@ -251,7 +251,7 @@ def _query_rows(t: int) -> int:
     return -(-t // 256) * 256
 
 
-@functools.lru_cache(maxsize=4)  # the layers of a step share one
+@functools.lru_cache(maxsize=16)  # the layers of a step share them
 def _before_own_block(offset: int, tq: int, rows: int, keys: int, device: str) -> torch.Tensor:
     """[rows, keys] additive mask: query row t (position offset + t) sees the keys before its own block of
     BLOCK_TOKENS; the padding rows see key 0 (their output is dropped)."""
@@ -267,13 +267,24 @@ def _flash_before_own_block(qh, kd, vd, scale: float, offset: int):
     H, tq, D = qh.shape
     n = kd.shape[1]
     op = _CPU_FLASH
-    if op is not None and qh.device.type == "cpu":  # fused, shaped to whole blocks (see _KV_BLOCK)
-        rows, keys = _query_rows(tq), -(-n // _KV_BLOCK) * _KV_BLOCK
-        mask = _before_own_block(offset, tq, rows, keys, "cpu")
-        pad = lambda t, r: torch.nn.functional.pad(t, (0, 0, 0, r - t.shape[1])) if r > t.shape[1] else t  # noqa: E731
-        o, lse = op(pad(qh, rows)[None], pad(kd, keys)[None], pad(vd, keys)[None], attn_mask=mask[None, None],
-                    scale=scale)[:2]
-        o, lse = o[0, :, :tq], lse[0, :, :tq]
+    if op is not None and qh.device.type == "cpu":
+        # fused, shaped to whole blocks (see _KV_BLOCK), queries in groups of _KV_BLOCK positions aligned to
+        # position 0, each over the key blocks it can see: causal work, not Tq x n (key blocks a row cannot
+        # see would add exact zeros, so leaving them out rounds nothing differently)
+        o = qh.new_empty(H, tq, D)
+        lse = qh.new_empty(H, tq)
+        a = offset
+        while a < offset + tq:
+            b = min((a // _KV_BLOCK + 1) * _KV_BLOCK, offset + tq)
+            rows = _query_rows(b - a)
+            keys = -(-min(b, n) // _KV_BLOCK) * _KV_BLOCK
+            mask = _before_own_block(a, b - a, rows, keys, "cpu")
+            kg, vg = kd[:, :keys], vd[:, :keys]
+            pad = lambda t, r: torch.nn.functional.pad(t, (0, 0, 0, r - t.shape[1])) if r > t.shape[1] else t  # noqa: E731
+            og, lg = op(pad(qh[:, a - offset:b - offset], rows)[None], pad(kg, keys)[None], pad(vg, keys)[None],
+                        attn_mask=mask[None, None], scale=scale)[:2]
+            o[:, a - offset:b - offset], lse[:, a - offset:b - offset] = og[0, :, :b - a], lg[0, :, :b - a]
+            a = b
     else:  # plain matmuls
         s = (qh @ kd.transpose(1, 2)).mul_(scale) + _before_own_block(offset, tq, tq, n, str(qh.device))
         lse = torch.logsumexp(s, -1)
