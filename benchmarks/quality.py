@@ -10,7 +10,7 @@ chunk (the server instead keeps an incomplete chunk in half precision); see the 
 
 Configurations: ``bf16`` (the uncompressed KV cache: K/V rounded to bf16), every format with and
 without 1% outliers (``<format>-o1``), the seed methods not served yet (``selective-int8``, ``selective-int4``,
-``tada-4bit``, ``tada-2bit``, ``qjl``: benchmarks/quality_seeds.py, thesis protocol), and the ablations: Fisher vs unweighted k-means
+``tada-4bit``, ``tada-2bit``, ``tada-mixed-3bit``, ``qjl``: benchmarks/quality_seeds.py, thesis protocol), and the ablations: Fisher vs unweighted k-means
 (``<format>@unweighted``, needs ``--ablation-artifact`` calibrated with ``--no-fisher``), sinks
 compressed (``@sinks-compressed``), pure temporal chunking instead of the hybrid
 (``@pure-temporal``).  Results go to benchmarks/results/quality.{json,md} and PNG plots; each
@@ -33,7 +33,7 @@ from vllm_temporalkv.hf_hooks import kv_output_hooks
 from vllm_temporalkv.layout import bits_per_float
 
 from .common import RESULTS, merge_headline, run_record, write_json
-from .quality_seeds import SEED_CONFIGS, SeedSimulator, is_seed_config
+from .quality_seeds import SEED_CONFIGS, SeedSimulator, is_mixed, is_seed_config, tada_layer_bits
 
 KV_DTYPE = torch.bfloat16
 ABLATION_FORMATS = ("temporalkv-2bit", "temporalkv-1bit")
@@ -216,8 +216,16 @@ def run(args) -> dict:
     print(f"{len(names)} configurations, {len(todo)} to run, {args.windows} x {args.seq_len} tokens of {args.data}")
     for name in tqdm(todo, desc="configs", unit="config"):
         t0 = time.time()
+        extra = {}
         if is_seed_config(name):
-            sim = SeedSimulator(name, model.config, KV_DTYPE)
+            layer_bits = None
+            if is_mixed(name):  # searched on held-out calibration text, not on the text measured here
+                calib = token_windows(tok, load_corpus("wiki-leads"), 1024, 2, skip=128)
+                layer_bits, cost = tada_layer_bits(name, model.config, KV_DTYPE,
+                                                   lambda hook: (lambda t: t[0] / t[1])(window_nll(model, calib, hook)))
+                extra = {"layer_bits": layer_bits, "layer_cost_nats": cost,
+                         "search_text": "wiki-leads: 2 x 1024 tokens after the first 131072 (past a 64 x 2048 calibration)"}
+            sim = SeedSimulator(name, model.config, KV_DTYPE, layer_bits=layer_bits)
             bits = sim.bits(args.seq_len)
         else:
             sim = Simulator(name, art, unweighted, args.protocol)
@@ -225,7 +233,7 @@ def run(args) -> dict:
             bits = bits_per_float(get_format(fmt), fp["head_dim"], args.seq_len, outliers) if fmt else {"total": 16.0}
         nll, n = window_nll(model, windows, sim)
         res[name] = {"ppl": math.exp(nll / n), "nll": nll / n, "tokens": n, "seconds": round(time.time() - t0, 1),
-                     "bits": bits}
+                     "bits": bits, **extra}
         tqdm.write(f"{name:34} ppl {res[name]['ppl']:.3f}  ({res[name]['seconds']:.0f} s)")
         write_json(out_json, _report(settings, res, art, formats, prev))
     report = _report(settings, res, art, formats, prev)

@@ -17,7 +17,7 @@ import torch
 
 from vllm_temporalkv.codecs import qjl
 from vllm_temporalkv.codecs.selective import SelectiveCodec, selective_mask
-from vllm_temporalkv.codecs.tada import RESIDUAL_TOKENS, TadaCodec, tada_mask
+from vllm_temporalkv.codecs.tada import CANDIDATE_BITS, RESIDUAL_TOKENS, TadaCodec, search_layer_bits, tada_mask
 from vllm_temporalkv.formats import SINK_TOKENS
 
 # name -> (method, bits of the compressed values); QJL's bits follow from its sketch sizes
@@ -26,6 +26,7 @@ SEED_CONFIGS: dict[str, tuple[str, int | None]] = {
     "selective-int4": ("selective", 4),
     "tada-4bit": ("tada", 4),
     "tada-2bit": ("tada", 2),
+    "tada-mixed-3bit": ("tada", 3),  # per-layer bits in {2, 4, 8}, 3 on average: the paper's search (layer_bits)
     "qjl": ("qjl", None),
 }
 # the selective paper leaves its sink and window sizes open: our sinks, and the window QJL and TaDA keep
@@ -37,12 +38,35 @@ def is_seed_config(name: str) -> bool:
     return name in SEED_CONFIGS
 
 
+def is_mixed(name: str) -> bool:
+    return "-mixed-" in name
+
+
+def tada_layer_bits(name: str, hf_config, kv_dtype: torch.dtype, nll) -> tuple[list[int], dict]:
+    """TaDA's per-layer bits for a mixed configuration: the paper searches them by task accuracy on train
+    data (App. B); we measure what this project can, the NLL increase (nats per token) of compressing one
+    layer's K and V alone at each candidate, on held-out calibration text (``nll(hook)`` -> mean NLL), and
+    solve for the least total increase at the average budget (codecs.tada.search_layer_bits)."""
+    L = hf_config.num_hidden_layers
+    base = nll(lambda layer, kind, out: out.to(kv_dtype).to(out.dtype))
+    cost: dict[int, dict[int, float]] = {}
+    for layer in range(L):
+        cost[layer] = {}
+        for b in CANDIDATE_BITS:
+            sim = SeedSimulator(name, hf_config, kv_dtype, layer_bits=[b] * L)
+            cost[layer][b] = nll(lambda lay, kind, out, sim=sim, layer=layer:
+                                 sim(lay, kind, out) if lay == layer else out.to(kv_dtype).to(out.dtype)) - base
+    bits = search_layer_bits(cost, float(SEED_CONFIGS[name][1]))
+    return [bits[i] for i in range(L)], {str(i): {str(b): c for b, c in cost[i].items()} for i in range(L)}
+
+
 class SeedSimulator:
     """Fake-quant hook (benchmarks.quality.Simulator's interface) for one seed-method configuration."""
 
     protocol = "thesis"
 
-    def __init__(self, name: str, hf_config, kv_dtype: torch.dtype, seed: int = 0):
+    def __init__(self, name: str, hf_config, kv_dtype: torch.dtype, seed: int = 0,
+                 layer_bits: list[int] | None = None):
         from vllm_temporalkv.hf_hooks import check_supported
         from vllm_temporalkv.rope import Rope
 
@@ -56,7 +80,10 @@ class SeedSimulator:
         if self.method == "selective":
             self.codec = SelectiveCodec(bits)
         elif self.method == "tada":
-            self.codec = TadaCodec(bits)
+            if is_mixed(name) and layer_bits is None:
+                raise ValueError(f"{name} needs its per-layer bits (tada_layer_bits)")
+            self.layer_bits = layer_bits or [bits] * self.layers
+            self.codecs = {b: TadaCodec(b) for b in set(self.layer_bits)}
         else:
             self.rope = Rope(hf_config)
             # one S per sketch size, shared by every head and layer using it (official code)
@@ -73,7 +100,7 @@ class SeedSimulator:
         if self.method == "selective":
             return self.codec.fake_quant(x, SELECTIVE_SINKS, SELECTIVE_WINDOW).float()
         if self.method == "tada":
-            return self.codec.fake_quant(x, RESIDUAL_TOKENS).float()
+            return self.codecs[self.layer_bits[layer]].fake_quant(x, RESIDUAL_TOKENS).float()
         T = x.shape[0]
         out = x.float().clone()
         if kind == "v":
@@ -97,7 +124,8 @@ class SeedSimulator:
             k = v = (n * self.codec.bits_per_float(D) + (T - n) * 16) / T
         elif self.method == "tada":
             n = int(tada_mask(T, RESIDUAL_TOKENS).sum())
-            k = v = (n * self.codec.bits_per_float(D, H) + (T - n) * 16) / T
+            per = sum(self.codecs[b].bits_per_float(D, H) for b in self.layer_bits) / self.layers
+            k = v = (n * per + (T - n) * 16) / T
         else:
             nk = int(qjl.qjl_recent_mask(T, qjl.WINDOW, block=True).sum())
             nv = int(qjl.qjl_recent_mask(T, qjl.WINDOW).sum())

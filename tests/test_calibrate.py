@@ -133,3 +133,31 @@ def test_quality_harness_seed_methods(smollm2_dir, tmp_path):
     assert nll["selective-int4"] > nll["selective-int8"] and nll["tada-2bit"] > nll["tada-4bit"], nll
     bits = {n: s.bits(2048)["total"] for n, s in sims.items()}
     assert bits["selective-int8"] > bits["selective-int4"] > 4 and bits["tada-4bit"] > bits["tada-2bit"], bits
+
+
+def test_tada_layer_bits_search(smollm2_dir):
+    """TaDA's per-layer bits: measured costs per (layer, bits) -> the budget is met, the sensitive layers get
+    more bits (a stand-in NLL: each layer's K/V error times a weight)."""
+    from transformers import AutoConfig
+
+    from benchmarks.quality_seeds import SeedSimulator, tada_layer_bits
+
+    cfg = AutoConfig.from_pretrained(smollm2_dir)
+    L = cfg.num_hidden_layers
+    weight = torch.ones(L)
+    weight[[0, 5]] = 1000.0
+    g = torch.Generator().manual_seed(0)
+    kv = [(torch.randn(1, 300, 3, 64, generator=g), torch.randn(1, 300, 3, 64, generator=g)) for _ in range(L)]
+
+    def nll(hook):
+        return sum(float(w * sum(((hook(i, kind, x) - x.bfloat16().float()) ** 2).mean() for kind, x in zip("kv", kv[i])))
+                   for i, w in enumerate(weight))
+
+    bits, cost = tada_layer_bits("tada-mixed-3bit", cfg, torch.bfloat16, nll)
+    assert len(bits) == L and sum(bits) / L <= 3.0 and set(bits) <= {2, 4, 8}
+    assert bits[0] == bits[5] == 8 and sorted(bits)[L // 2] == 2
+    assert cost["0"]["2"] > cost["0"]["4"] > cost["0"]["8"] >= 0
+    sim = SeedSimulator("tada-mixed-3bit", cfg, torch.bfloat16, layer_bits=bits)
+    assert 2 + 16 / 3 < sim.bits(2048)["total"] < 16
+    with pytest.raises(ValueError, match="per-layer bits"):
+        SeedSimulator("tada-mixed-3bit", cfg, torch.bfloat16)
