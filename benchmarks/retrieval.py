@@ -295,6 +295,69 @@ def summarize(recs: list[dict]) -> dict:
             "avg_accuracy": sum(per_len.values()) / len(per_len)}
 
 
+BOOT = 2000  # bootstrap resamples
+CI = 0.95
+
+
+def _stratified_means(recs_by_fmt: dict[str, list[dict]], lengths: list[int], rounds: int, seed: int) -> dict:
+    """Bootstrap of the averages ``summarize`` reports: at every length, the prompts (all tasks) are drawn with
+    replacement - the same draws for every format (a paired comparison: formats answer the same prompts) - and
+    averaged, then over lengths.  With equal samples per task, as the suite builds, a length's mean over its
+    prompts is summarize's mean over tasks; strata of whole lengths still vary with one sample per task.
+    -> format -> {"avg": [rounds], "long": [rounds], "by_length": {n: [rounds]}}."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    fmts = list(recs_by_fmt)
+    order = lambda rs, n: sorted((r for r in rs if r["length"] == n), key=lambda r: (r["task"], r["index"]))  # noqa: E731
+    long = [n for n in lengths if n >= 4096]
+    by_len = {f: {} for f in fmts}
+    for n in lengths:
+        ref = [(r["task"], r["index"]) for r in order(recs_by_fmt[fmts[0]], n)]
+        idx = rng.integers(0, len(ref), size=(rounds, len(ref)))
+        for f in fmts:
+            rs = order(recs_by_fmt[f], n)
+            if [(r["task"], r["index"]) for r in rs] != ref:
+                raise ValueError(f"{f} answered other prompts than {fmts[0]} at length {n}: cannot pair them")
+            by_len[f][n] = np.array([r["score"] for r in rs])[idx].mean(1)
+    out = {}
+    for f in fmts:
+        out[f] = {"by_length": by_len[f], "avg": sum(by_len[f].values()) / len(lengths),
+                  "long": sum(by_len[f][n] for n in long) / len(long) if long else np.zeros(rounds)}
+    return out
+
+
+def intervals(results: dict, lengths: list[int], rounds: int = BOOT, seed: int = 0) -> None:
+    """Add 95% bootstrap intervals to each scored format of ``results`` (in place): ``avg_ci``, ``long_ci``,
+    ``per_length_ci`` and, paired against ``auto`` on the same prompts, ``long_ratio_ci`` (4k-8k ÷ auto) and
+    ``long_diff_ci`` (4k-8k minus auto)."""
+    import numpy as np
+
+    ok = {f: r["records"] for f, r in results.items() if "error" not in r and r.get("records")}
+    if not ok:
+        return
+    boot = _stratified_means(ok, lengths, rounds, seed)
+    q = lambda a: [float(np.quantile(a, (1 - CI) / 2)), float(np.quantile(a, (1 + CI) / 2))]  # noqa: E731
+    base = boot.get("auto")
+    for f, b in boot.items():
+        r = results[f]
+        r["avg_ci"] = q(b["avg"])
+        r["per_length_ci"] = {str(n): q(v) for n, v in b["by_length"].items()}
+        if any(n >= 4096 for n in lengths):
+            r["long_ci"] = q(b["long"])
+            if base is not None and f != "auto":
+                r["long_diff_ci"] = q(b["long"] - base["long"])
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    ratio = b["long"] / base["long"]
+                ratio = ratio[np.isfinite(ratio)]
+                if ratio.size:
+                    r["long_ratio_ci"] = q(ratio)
+
+
+def _ci(x) -> str:
+    return f" [{x[0]:.2f}, {x[1]:.2f}]" if x else ""
+
+
 # ---------------------------------------------------------------- the runner
 def serve_and_score(model: str, fmt: str, samples: list[Sample], args) -> dict:
     from .vllm_server import VLLMServer
@@ -336,18 +399,22 @@ def write_markdown(rep: dict, path: Path) -> None:
              f"{st['samples']} samples per task and length, seed {st['seed']}, greedy, --dtype "
              f"{st.get('dtype', 'bfloat16')}; haystacks from Jane Austen's "
              "novels; accuracy = share of reference strings in the answer (RULER's string match).", "",
+             f"Brackets: {CI:.0%} bootstrap intervals ({BOOT} resamples of the prompts at each length; the ratio and "
+             "difference to auto paired on the same prompts). With few samples they are wide.", "",
              "## Average accuracy by length", "",
-             "| --kv-cache-dtype | " + " | ".join(lengths) + " | average | 4k-8k | 4k-8k ÷ auto |",
-             "|---|" + "---|" * (len(lengths) + 3)]
+             "| --kv-cache-dtype | " + " | ".join(lengths) + " | average | 4k-8k | 4k-8k ÷ auto | 4k-8k - auto |",
+             "|---|" + "---|" * (len(lengths) + 4)]
     base = res.get("auto", {}).get("long_avg")
     for f, r in res.items():
         if "error" in r:
             lines.append(f"| {f} | " + " | ".join("–" for _ in lengths) + f" | refused: {r['error'][:120]} | | |")
             continue
-        ratio = f"{r['long_avg'] / base:.2f}" if base and r.get("long_avg") is not None else "–"
-        la = "–" if r.get("long_avg") is None else f"{r['long_avg']:.3f}"
+        ratio = f"{r['long_avg'] / base:.2f}{_ci(r.get('long_ratio_ci'))}" if base and r.get("long_avg") is not None else "–"
+        la = "–" if r.get("long_avg") is None else f"{r['long_avg']:.3f}{_ci(r.get('long_ci'))}"
+        diff = (f"{r['long_avg'] - res['auto']['long_avg']:+.3f}{_ci(r.get('long_diff_ci'))}"
+                if "long_diff_ci" in r else "–")
         lines.append(f"| {f} | " + " | ".join(f"{r['per_length'].get(n, float('nan')):.3f}" for n in lengths)
-                     + f" | {r['avg_accuracy']:.3f} | {la} | {ratio} |")
+                     + f" | {r['avg_accuracy']:.3f}{_ci(r.get('avg_ci'))} | {la} | {ratio} | {diff} |")
     lines += ["", "## Per task (all lengths)", "", "| --kv-cache-dtype | " + " | ".join(st["tasks"]) + " |",
               "|---|" + "---|" * len(st["tasks"])]
     for f, r in res.items():
@@ -380,7 +447,10 @@ def plot(rep: dict, path: Path) -> None:
     for f, r in ok.items():
         xs = [int(n) for n in r["per_length"]]
         style = "-" if f.startswith("temporalkv") else ("--" if f in ("auto", "fp8") else ":")
-        axes[0].plot(xs, list(r["per_length"].values()), style, marker="o", label=f)
+        line, = axes[0].plot(xs, list(r["per_length"].values()), style, marker="o", label=f)
+        if "per_length_ci" in r:  # the bootstrap interval as a band
+            lo, hi = zip(*(r["per_length_ci"][n] for n in r["per_length"]))
+            axes[0].fill_between(xs, lo, hi, color=line.get_color(), alpha=0.08)
     axes[0].set_xscale("log", base=2)
     axes[0].set_xticks(st["lengths"], [str(n) for n in st["lengths"]])
     axes[0].set_xlabel("context length (tokens)")
@@ -429,7 +499,11 @@ def main(argv=None):
     p.add_argument("--resume", action="store_true", help="keep the formats an earlier run with the same tasks, "
                    "lengths, samples and seed already scored in --out/retrieval.json")
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--rerender", action="store_true", help="only recompute the summaries, intervals, tables, plot "
+                   "and headline from --out/retrieval.json (no server)")
     args = p.parse_args(argv)
+    if args.rerender:
+        return report(json.loads((Path(args.out) / "retrieval.json").read_text()), Path(args.out))
 
     from vllm_temporalkv.models import load_tokenizer, resolve_model
 
@@ -469,11 +543,17 @@ def main(argv=None):
             tqdm.write(f"{fmt:20} " + (r["error"] if "error" in r else
                                         f"avg {r['avg_accuracy']:.3f} per length {r['per_length']}"))
             write_json(out / "retrieval.json", {"settings": settings, "formats": results, "run": run_record()})
-    long = [str(n) for n in args.lengths if n >= 4096]
+    return report({"settings": settings, "formats": results, "run": run_record()}, out)
+
+
+def report(rep: dict, out: Path) -> dict:
+    """Averages, intervals, retrieval.{json,md,png}; the headline when --out is the results folder."""
+    st, results = rep["settings"], rep["formats"]
+    long = [str(n) for n in st["lengths"] if n >= 4096]
     for r in results.values():
         if "error" not in r:
             r["long_avg"] = sum(r["per_length"][n] for n in long) / len(long) if long else None
-    rep = {"settings": settings, "formats": results, "run": run_record()}
+    intervals(results, st["lengths"])
     write_json(out / "retrieval.json", rep)
     write_markdown(rep, out / "retrieval.md")
     plot(rep, out / "retrieval.png")
@@ -481,11 +561,17 @@ def main(argv=None):
         figs = {}
         for f, r in results.items():
             if "error" not in r:
-                figs[f"retrieval.{args.name}.{f}.avg_accuracy"] = r["avg_accuracy"]
+                p = f"retrieval.{st['name']}.{f}."
+                figs[p + "avg_accuracy"] = r["avg_accuracy"]
+                if "avg_ci" in r:
+                    figs[p + "avg_accuracy_ci_low"], figs[p + "avg_accuracy_ci_high"] = r["avg_ci"]
                 if r.get("long_avg") is not None:  # the lengths >= 4096 (the issue's 4k-8k criterion)
-                    figs[f"retrieval.{args.name}.{f}.avg_accuracy_4k_8k"] = r["long_avg"]
+                    figs[p + "avg_accuracy_4k_8k"] = r["long_avg"]
+                    if "long_ci" in r:
+                        figs[p + "avg_accuracy_4k_8k_ci_low"], figs[p + "avg_accuracy_4k_8k_ci_high"] = r["long_ci"]
         merge_headline(figs, HEADLINE)
     print((out / "retrieval.md").read_text())
+    return rep
 
 
 if __name__ == "__main__":

@@ -100,3 +100,30 @@ def test_runner_end_to_end(tmp_path, smollm2_dir, tiny_artifact, builder):
     again = json.loads((out / "retrieval.json").read_text())
     assert again["formats"]["auto"]["records"] == rep["formats"]["auto"]["records"]
     assert (HEADLINE.read_bytes() if HEADLINE.is_file() else None) == before
+
+
+def test_intervals_are_paired_bootstrap(tmp_path):
+    """95% intervals on the averages; the comparison with auto is paired (same prompts, same draws): a format
+    that answers exactly as auto has a difference interval of [0, 0] even where both vary."""
+    import random as _random
+
+    from benchmarks import retrieval
+
+    rng = _random.Random(0)
+    recs = lambda scores: [{"task": t, "length": n, "index": i, "score": scores(t, n, i), "answers": [], "output": "x",  # noqa: E731
+                            "prompt_tokens": 1} for t in ("niah_single", "vt") for n in (2048, 4096) for i in range(10)]
+    noisy = {(t, n, i): float(rng.random() < 0.5) for t in ("niah_single", "vt") for n in (2048, 4096) for i in range(10)}
+    results = {f: {"records": recs(fn), **retrieval.summarize(recs(fn))}
+               for f, fn in (("auto", lambda t, n, i: noisy[(t, n, i)]), ("same", lambda t, n, i: noisy[(t, n, i)]),
+                             ("zero", lambda t, n, i: 0.0))}
+    settings = {"name": "t", "tasks": ["niah_single", "vt"], "lengths": [2048, 4096], "samples": 10, "seed": 0}
+    (tmp_path / "retrieval.json").write_text(json.dumps({"settings": settings, "formats": results,
+                                                          "run": {"command": "x", "machine": {"cpu": "c"}, "time": "t"}}))
+    rep = retrieval.main(["--rerender", "--out", str(tmp_path)])
+    a, s, z = (rep["formats"][f] for f in ("auto", "same", "zero"))
+    lo, hi = a["avg_ci"]
+    assert lo < a["avg_accuracy"] < hi and hi - lo > 0.1  # 40 coin flips: a wide interval
+    assert s["long_diff_ci"] == [0.0, 0.0] and s["long_ratio_ci"] == [1.0, 1.0]
+    assert z["avg_ci"] == [0.0, 0.0] and z["long_diff_ci"][1] < 0
+    md = (tmp_path / "retrieval.md").read_text()
+    assert "| same |" in md and "[1.00, 1.00]" in md
