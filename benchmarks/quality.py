@@ -233,7 +233,7 @@ def run(args) -> dict:
             bits = bits_per_float(get_format(fmt), fp["head_dim"], args.seq_len, outliers) if fmt else {"total": 16.0}
         nll, n = window_nll(model, windows, sim)
         res[name] = {"ppl": math.exp(nll / n), "nll": nll / n, "tokens": n, "seconds": round(time.time() - t0, 1),
-                     "bits": bits, **extra}
+                     "bits": bits, "command": run_record()["command"], **extra}
         tqdm.write(f"{name:34} ppl {res[name]['ppl']:.3f}  ({res[name]['seconds']:.0f} s)")
         write_json(out_json, _report(settings, res, art, formats, prev))
     report = _report(settings, res, art, formats, prev)
@@ -294,6 +294,11 @@ def write_markdown(report: dict, path: Path) -> None:
         for n in sorted(seeds, key=lambda n: -res[n]["bits"]["total"]):
             b = res[n]["bits"]
             lines.append(f"| {n} | {res[n]['ppl']:.3f} | {b['k']:.3f} | {b['v']:.3f} | {b['total']:.3f} |")
+        cmds = sorted({res[n]["command"] for n in seeds if "command" in res[n]})
+        lines += [""] + [f"Command for these rows: `{c}`" for c in cmds]
+        mixed = [n for n in seeds if "layer_bits" in res[n]]
+        for n in mixed:
+            lines.append(f"\n{n}: bits per layer {res[n]['layer_bits']} (searched on {res[n]['search_text']})")
     abl = [n for n in res if "@" in n]
     if abl:
         lines += ["", "## Ablations (no outliers)", "", "| configuration | ppl | method as calibrated |", "|---|---|---|"]
