@@ -298,7 +298,7 @@ def write_markdown(report: dict, path: Path) -> None:
         lines += [""] + [f"Command for these rows: `{c}`" for c in cmds]
         mixed = [n for n in seeds if "layer_bits" in res[n]]
         for n in mixed:
-            lines.append(f"\n{n}: bits per layer {res[n]['layer_bits']} (searched on {res[n]['search_text']})")
+            lines.append(f"{n}: bits per layer {res[n]['layer_bits']} (searched on {res[n]['search_text']})")
     abl = [n for n in res if "@" in n]
     if abl:
         lines += ["", "## Ablations (no outliers)", "", "| configuration | ppl | method as calibrated |", "|---|---|---|"]
@@ -323,12 +323,12 @@ def plot(report: dict, art: Artifact | None, out: Path, suffix: str = "") -> Non
 
     res = report["configs"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for ax, suffix, title in ((axes[0], "", "no outliers"), (axes[1], "-o1", "1% outliers")):
+    for ax, osuf, title in ((axes[0], "", "no outliers"), (axes[1], "-o1", "1% outliers")):
         for method, style in (("kvquant", "s--"), ("channelkv", "^-."), ("temporalkv", "o-")):
-            pts = [(res[f"{method}-{b}bit{suffix}"]["bits"]["total"], res[f"{method}-{b}bit{suffix}"]["ppl"])
-                   for b in (1, 2, 4) if f"{method}-{b}bit{suffix}" in res]
+            pts = [(res[f"{method}-{b}bit{osuf}"]["bits"]["total"], res[f"{method}-{b}bit{osuf}"]["ppl"])
+                   for b in (1, 2, 4) if f"{method}-{b}bit{osuf}" in res]
             if pts:
-                ax.plot(*zip(*pts), style, label=method, marker=style[0])
+                ax.plot(*zip(*pts), style, label=method)
         if "bf16" in res:
             ax.axhline(res["bf16"]["ppl"], color="gray", lw=1, label="bf16")
         ax.set_xscale("log", base=2)
@@ -389,7 +389,7 @@ def plot_pareto(report: dict, path: Path) -> None:
             ax.plot([b for b, _, _ in pts], [q for _, q, _ in pts], marker=marker, fillstyle=fill, ls="-" if not outl else ":",
                     label=fam + (" +1% outliers" if outl else ""))
             for b, q, n in pts:
-                ax.annotate(n.split("-", 1)[1].removesuffix("-o1"), (b, q), fontsize=6, xytext=(3, 3), textcoords="offset points")
+                ax.annotate(n.partition("-")[2].removesuffix("-o1") or n, (b, q), fontsize=6, xytext=(3, 3), textcoords="offset points")
     if "bf16" in report["configs"]:
         ax.axhline(report["configs"]["bf16"]["ppl"], color="gray", lw=1, label="bf16 (16 bits)")
     ax.set_xscale("log", base=2)

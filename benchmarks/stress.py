@@ -444,7 +444,8 @@ async def parallel_check(args, fmt: str, configs: list[str], ids: list[int]) -> 
             extra = PARALLEL[name] + ["--distributed-executor-backend", "mp"]
             e["VLLM_CPU_OMP_THREADS_BIND"] = _bind(int(PARALLEL[name][1]))
         server = VLLMServer(resolve_model(args.model), "--kv-cache-dtype", fmt, "--served-model-name", MODEL,
-                            "--dtype", dtype, "--max-model-len", "4096", "--enforce-eager", *extra, env=e,
+                            "--dtype", dtype, "--max-model-len", "4096", *(["--enforce-eager"] if args.enforce_eager else []),
+                            *extra, env=e,
                             timeout=900, log_path=args.out / "stress-runs" / f"{fmt}-{name}.log")
         t0 = time.time()
         try:
@@ -467,9 +468,20 @@ async def parallel_check(args, fmt: str, configs: list[str], ids: list[int]) -> 
         if "error" in o or "error" in single:
             report[name] = {"ran": False, "error": o.get("error") or "single-process server: " + single["error"]}
             continue
-        verdicts = [compare(b, a)[0] if a and b else "failed" for a, b in zip(single["choices"], o["choices"])]
-        report[name] = {"ran": True, "verdicts": verdicts, "errors": o["errors"], "seconds": o["seconds"],
-                        "bind": o["env"], "matches_single": all(v in ("identical", "within_tolerance") for v in verdicts)}
+        verdicts, detail = [], []
+        for a, b in zip(single["choices"], o["choices"]):
+            if not (a and b):
+                verdicts.append("failed")
+                continue
+            v, d = compare(b, a)
+            verdicts.append(v)
+            same = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), min(len(a.tokens), len(b.tokens)))
+            # the first token is the prompt's cache alone: a rank on the wrong codebooks moves it by nats
+            detail.append({"first_token_dlogprob": abs(a.logprobs[0] - b.logprobs[0]) if same else None,
+                           "max_abs_dlogprob_same_tokens": d, "same_tokens_until": same, "tokens": len(a.tokens)})
+        report[name] = {"ran": True, "verdicts": verdicts, "detail": detail, "errors": o["errors"],
+                        "seconds": o["seconds"], "bind": o["env"],
+                        "matches_single": all(v in ("identical", "within_tolerance") for v in verdicts)}
     return report
 
 
@@ -601,6 +613,19 @@ def headline(res: dict, where: str = "smollm2-cpu") -> dict[str, float]:
     return h
 
 
+def _parallel_table(fmt: str, mode: str, command: str, rep: dict) -> list[str]:
+    lines = ["", f"vLLM's parallel engine, {fmt}, {mode} (`{command}`): greedy outputs of 3 prompts "
+             "(300 / 1100 / 2100 tokens) vs one process", "",
+             "| configuration | ran | vs one process | note |", "|---|---|---|---|"]
+    for cfg, r in rep.items():
+        det = "".join(f" (first token {x['first_token_dlogprob']:.1e}, same tokens {x['same_tokens_until']}/{x['tokens']})"
+                      if x.get("first_token_dlogprob") is not None else " (first token differs)"
+                      for x in r.get("detail", []))
+        lines.append(f"| {cfg} | {'yes' if r['ran'] else 'no'} | {', '.join(r['verdicts']) if r['ran'] else '-'}{det} | "
+                     f"{('threads ' + str(r['bind']) + ', ' + str(r['seconds']) + ' s') if r['ran'] else r['error']} |")
+    return lines
+
+
 def markdown(run: dict) -> str:
     fmts = list(run["formats"])
     R = run["formats"]
@@ -650,16 +675,11 @@ def markdown(run: dict) -> str:
         lines[-1] += f", model dtype {r0['dtype']}; request kinds: {', '.join(f'{k} {v}' for k, v in r0['kinds'].items())}"
         lines += ["", "| figure | " + " | ".join(fmts) + " |", "|---|" + "---|" * len(fmts)]
         lines += [f"| {name} | " + " | ".join(f(R[x]) for x in fmts) + " |" for name, f in rows]
-    for fmt, rep in run.get("parallel", {}).items():
-        if fmt == "record":
-            continue
-        lines += ["", f"vLLM's parallel engine, {fmt} (`{run['parallel']['record']['command']}`): greedy outputs of 3 "
-                  "prompts (300 / 1100 / 2100 tokens) vs one process", "",
-                  "| configuration | ran | vs one process | note |", "|---|---|---|---|"]
-        for cfg, r in rep.items():
-            lines.append(f"| {cfg} | {'yes' if r['ran'] else 'no'} | "
-                         f"{', '.join(r['verdicts']) if r['ran'] else '-'} | "
-                         f"{('threads ' + str(r['bind']) + ', ' + str(r['seconds']) + ' s') if r['ran'] else r['error']} |")
+    for section, mode in (("parallel", "compiled"), ("parallel-eager", "--enforce-eager")):
+        for fmt, rep in run.get(section, {}).items():
+            if fmt not in ("record", "commands"):
+                cmd = run[section].get("commands", {}).get(fmt, run[section]["record"]["command"])
+                lines += _parallel_table(fmt, mode, cmd, rep)
     if "sigterm_trials" in run:
         t = run["sigterm_trials"]
         lines += ["", f"SIGTERM with 8 requests in flight, each time a fresh server (`{t['record']['command']}`)", "",
@@ -724,7 +744,13 @@ def main(argv=None) -> dict:
         for fmt in args.formats:
             ensure_calibrated(args, fmt)
             par[fmt] = asyncio.run(parallel_check(args, fmt, args.parallel, ids))
-        run["parallel"] = par
+        # eager and compiled runs are kept apart: vllm-cpu profiles (and so allocates a pipeline stage's buffers)
+        # only when it compiles
+        section = run.setdefault("parallel-eager" if args.enforce_eager else "parallel", {})
+        commands = section.setdefault("commands", {})
+        for fmt in args.formats:  # a later run for other formats adds to the section
+            section[fmt], commands[fmt] = par[fmt], par["record"]["command"]
+        section["record"] = par["record"]
         write_json(saved, run)
     elif args.report:
         pass
@@ -744,7 +770,7 @@ def main(argv=None) -> dict:
         for res in run["formats"].values():
             merge_headline(headline(res))
         for fmt, rep in run.get("parallel", {}).items():
-            if fmt != "record":
+            if fmt not in ("record", "commands"):
                 merge_headline({f"stress.{cfg}.{fmt}.matches_single": float(r.get("matches_single", False))
                                 for cfg, r in rep.items() if r["ran"]})
         for fmt, trials in run.get("sigterm_trials", {}).items():
