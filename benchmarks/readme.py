@@ -170,8 +170,9 @@ def generic_table(h: dict, bench: str, title: str, skip: str | None = None) -> l
     if not items:
         return []
     out = [f"**{title}**", "", "| figure | value |", "|---|---|"]
-    # counts as whole numbers (mutations, KV tokens), the rest to 3 decimals
-    out += [f"| `{k}` | {int(v) if float(v).is_integer() and abs(v) >= 2 else _fmt(v, 3)} |"
+    # counts as whole numbers (mutations, KV tokens), tiny values (logprob differences) in scientific notation,
+    # the rest to 3 decimals
+    out += [f"| `{k}` | {int(v) if float(v).is_integer() and abs(v) >= 2 else f'{v:.1e}' if 0 < abs(v) < 1e-3 else _fmt(v, 3)} |"
             for k, v in sorted(items.items())]
     return out + [""]
 
