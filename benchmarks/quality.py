@@ -13,7 +13,8 @@ without 1% outliers (``<format>-o1``), the seed methods not served yet (``select
 ``tada-4bit``, ``tada-2bit``, ``tada-mixed-3bit``, ``qjl``: benchmarks/quality_seeds.py, thesis protocol), and the ablations: Fisher vs unweighted k-means
 (``<format>@unweighted``, needs ``--ablation-artifact`` calibrated with ``--no-fisher``), sinks
 compressed (``@sinks-compressed``), pure temporal chunking instead of the hybrid
-(``@pure-temporal``).  Results go to benchmarks/results/quality.{json,md} and PNG plots; each
+(``@pure-temporal``), and only the keys or only the values compressed (``@keys-only``, ``@values-only``: where
+a format's loss comes from).  Results go to benchmarks/results/quality.{json,md} and PNG plots; each
 configuration is saved as soon as it is done, and a rerun with the same settings skips it.
 """
 
@@ -52,6 +53,7 @@ def config_names(formats: list[str], ablations: bool, have_unweighted: bool, see
                 names.append(f"{f}@unweighted")
             names.append(f"{f}@sinks-compressed")
             names.append(f"{f}@pure-temporal")
+            names += [f"{f}@keys-only", f"{f}@values-only"]
     return names
 
 
@@ -76,6 +78,8 @@ class Simulator:
         fmt, outliers, ablation = parse_config(name)
         self.protocol = protocol
         self.sinks = 0 if ablation == "sinks-compressed" else None
+        # the diagnosis of where a format loses: only keys or only values compressed, the other half exact
+        self.exact_kind = {"keys-only": "v", "values-only": "k"}.get(ablation)
         self.qs = None
         self.stash: dict[tuple[int, str], torch.Tensor] = {}
         if fmt is not None:
@@ -87,7 +91,7 @@ class Simulator:
 
     def __call__(self, layer: int, kind: str, out: torch.Tensor) -> torch.Tensor:
         x = out.to(KV_DTYPE)
-        if self.qs is not None:
+        if self.qs is not None and kind != self.exact_kind:
             q = self.qs[layer][0 if kind == "k" else 1]
             kw = {} if self.sinks is None else {"sinks": self.sinks}
             xq = torch.stack([q.fake_quant(x[b], **kw) for b in range(x.shape[0])])
@@ -95,6 +99,8 @@ class Simulator:
                 self.stash[(layer, kind)] = xq.to(out.dtype)
             else:
                 x = xq
+        elif self.qs is not None and self.protocol == "causal":
+            self.stash[(layer, kind)] = x.to(out.dtype)
         return x.to(out.dtype)
 
 

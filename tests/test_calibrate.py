@@ -77,10 +77,16 @@ def test_quality_harness_protocol(tiny_artifact, smollm2_dir, tmp_path):
     assert abs(nll["bf16"] - exact) / exact < 0.01
     assert nll["temporalkv-2bit"] > nll["bf16"] and nll["kvquant-2bit"] > nll["bf16"]
     assert nll["temporalkv-2bit@sinks-compressed"] != nll["temporalkv-2bit"]
+    # keys only / values only: each half costs something, both together more than either
+    for half in ("keys-only", "values-only"):
+        nll[half] = window_nll(model, ids, Simulator(f"temporalkv-2bit@{half}", art, None))[0]
+        assert nll["bf16"] < nll[half] < nll["temporalkv-2bit"], nll
     # causal protocol (what a decode step sees): bf16 is exact, compression still costs
     causal = {n: window_nll(model, ids, Simulator(n, art, None, "causal"))[0] for n in ("bf16", "temporalkv-2bit")}
     assert abs(causal["bf16"] - nll["bf16"]) / nll["bf16"] < 1e-3
     assert causal["temporalkv-2bit"] > causal["bf16"] and causal["temporalkv-2bit"] != nll["temporalkv-2bit"]
+    k_only = window_nll(model, ids, Simulator("temporalkv-2bit@keys-only", art, None, "causal"))[0]
+    assert causal["bf16"] < k_only < causal["temporalkv-2bit"]
     # the hook leaves the sink tokens' K/V bit-exact (bf16) and changes the rest
     sim = Simulator("temporalkv-2bit", art, None)
     x = torch.randn(1, 64, 3, 64)
