@@ -7,7 +7,9 @@ Each configuration starts the real server (`python -m vllm.entrypoints.openai.ap
 the "KV cache size: N tokens" line vLLM logs once it has sized the cache; the server is stopped
 right after (started with --enforce-eager: the sizing does not depend on it). The ratio to `auto` is what a user gets: N for the format / N for auto, same memory.
 Also measured: where the half-precision sinks and tail live costs capacity per page, so the
-page (block) size is swept for temporalkv-2bit.
+page (block) size is swept for temporalkv-2bit, and so is the recent window (``--windows``: the serving option
+``temporalkv_recent_window``, whose tokens every page keeps in half precision).  Rows of an earlier run with
+the same settings are kept unless measured again (page sizes are arithmetic: they do not depend on the machine).
 Writes capacity.json / capacity.md / capacity.png under benchmarks/results/ and merges
 ``capacity.<model>-<device>.<format>.ratio_vs_auto`` into headline.json.
 """
@@ -47,24 +49,26 @@ def measure(model: str, dtype: str, kv_space_gib: int, max_len: int, extra: list
         s.stop()
 
 
-def configs(formats: list[str], block_sizes: list[int], outliers: bool) -> list[tuple[str, str, list[str]]]:
+def configs(formats: list[str], block_sizes: list[int], outliers: bool,
+            windows: list[int] = ()) -> list[tuple[str, str, list[str]]]:
     out = []
     for f in formats:
-        if f not in FORMATS:
-            out.append((f, f, []))
-            continue
         out.append((f, f, []))
-        if outliers:
+        if outliers and f in FORMATS and FORMATS[f].needs_calibration:
             out.append((f"{f}-o1", f, ["--additional-config", json.dumps({"temporalkv_outliers": True})]))
     for b in block_sizes:
         out.append((f"temporalkv-2bit@block{b}", "temporalkv-2bit", ["--block-size", str(b)]))
+    for w in windows:
+        out.append((f"temporalkv-2bit@window{w}", "temporalkv-2bit",
+                    ["--additional-config", json.dumps({"temporalkv_recent_window": w})]))
     return out
 
 
 def write_markdown(rep: dict, path: Path) -> None:
     s = rep["settings"]
     lines = [f"# KV capacity vLLM reports ({s['model']}, {s['kv_space_gib']} GiB of KV memory, max model len {s['max_model_len']})",
-             "", f"Command: `{rep['run']['command']}`  ", f"Machine: {rep['run']['machine']['cpu']}, {rep['run']['time']}", "",
+             "", *[f"Command: `{c}`  " for c in sorted({r.get("command", rep["run"]["command"]) for r in rep["configs"].values()})],
+             f"Machine: {rep['run']['machine']['cpu']}, {rep['run']['time']}", "",
              "| --kv-cache-dtype | KV tokens | × auto | note |", "|---|---|---|---|"]
     for name, r in rep["configs"].items():
         if "error" in r:
@@ -78,7 +82,9 @@ def write_markdown(rep: dict, path: Path) -> None:
               "(2048: see the row) but a page is vLLM's unit of allocation, so every short request or partly filled last",
               "page wastes more; 1024 is the default. Keeping sinks and tail outside the pages (a per-request buffer) would",
               "approach 8x, but vLLM's block manager has no per-request side allocation: it would need a second KV cache",
-              "group or memory reserved for max-num-seqs requests outside vLLM's accounting."]
+              "group or memory reserved for max-num-seqs requests outside vLLM's accounting.",
+              "`@windowN`: a recent window of N half-precision tokens (`temporalkv_recent_window`): every page keeps N",
+              "more slots for it, so it costs N x 16 bits per page of 1024 tokens; the selective formats keep 128 by default."]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -110,6 +116,8 @@ def main(argv=None):
     p.add_argument("--name", default="smollm2-cpu", help="model-and-device tag in the headline keys")
     p.add_argument("--formats", nargs="+", default=["auto", "fp8"] + list(FORMATS))
     p.add_argument("--block-sizes", nargs="*", type=int, default=[64, 256, 2048])
+    p.add_argument("--windows", nargs="*", type=int, default=[32, 128],
+                   help="recent windows to measure for temporalkv-2bit (temporalkv_recent_window)")
     p.add_argument("--no-outliers", action="store_true", help="skip the -o1 configurations")
     p.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -118,10 +126,17 @@ def main(argv=None):
     model = str(resolve_model(args.model))
     if "auto" not in args.formats:
         args.formats = ["auto"] + args.formats
+    settings = {"model": args.name, "kv_space_gib": args.kv_space_gib, "max_model_len": args.max_model_len}
+    out = Path(args.out)
     res = {}
-    todo = configs(args.formats, args.block_sizes, not args.no_outliers)
+    if (out / "capacity.json").is_file():
+        prev = json.loads((out / "capacity.json").read_text())
+        if prev.get("settings") == settings:
+            res = {n: {"command": prev["run"]["command"], **r} for n, r in prev["configs"].items() if "error" not in r}
+    todo = configs(args.formats, args.block_sizes, not args.no_outliers, args.windows)
     for name, dtype, extra in tqdm(todo, desc="servers", unit="server"):
-        res[name] = measure(model, dtype, args.kv_space_gib, args.max_model_len, extra)
+        res[name] = {**measure(model, dtype, args.kv_space_gib, args.max_model_len, extra),
+                     "command": run_record()["command"]}
         tqdm.write(f"{name:34} {res[name]}")
         if name == "auto" and "tokens" not in res[name]:
             raise SystemExit(f"--kv-cache-dtype auto did not start: {res[name]}")
@@ -131,9 +146,7 @@ def main(argv=None):
     for r in res.values():
         if "tokens" in r:
             r["ratio_vs_auto"] = r["tokens"] / base
-    rep = {"settings": {"model": args.name, "kv_space_gib": args.kv_space_gib, "max_model_len": args.max_model_len},
-           "configs": res, "run": run_record()}
-    out = Path(args.out)
+    rep = {"settings": settings, "configs": res, "run": run_record()}
     write_json(out / "capacity.json", rep)
     write_markdown(rep, out / "capacity.md")
     plot(rep, out / "capacity.png")

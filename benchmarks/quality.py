@@ -9,18 +9,21 @@ chunk (the server instead keeps an incomplete chunk in half precision); see the 
     python -m benchmarks.quality --artifact A [--ablation-artifact B] [--windows 8] [--data brown]
 
 Configurations: ``bf16`` (the uncompressed KV cache: K/V rounded to bf16), every format with and
-without 1% outliers (``<format>-o1``), the seed methods not served yet (``selective-int8``, ``selective-int4``,
-``tada-4bit``, ``tada-2bit``, ``tada-mixed-3bit``, ``qjl``: benchmarks/quality_seeds.py, thesis protocol), and the ablations: Fisher vs unweighted k-means
+without 1% outliers (``<format>-o1``; the calibration-free ``selective-int8`` / ``-int4`` with their recent window,
+as served), the seed methods not served yet (``tada-4bit``, ``tada-2bit``, ``tada-mixed-3bit``, ``qjl``:
+benchmarks/quality_seeds.py, thesis protocol), and the ablations: Fisher vs unweighted k-means
 (``<format>@unweighted``, needs ``--ablation-artifact`` calibrated with ``--no-fisher``), sinks
 compressed (``@sinks-compressed``), pure temporal chunking instead of the hybrid
-(``@pure-temporal``), and only the keys or only the values compressed (``@keys-only``, ``@values-only``: where
-a format's loss comes from).  Results go to benchmarks/results/quality.{json,md} and PNG plots; each
+(``@pure-temporal``), only the keys or only the values compressed (``@keys-only``, ``@values-only``: where
+a format's loss comes from), and a recent window of N half-precision tokens (``@windowN``, the serving option
+``temporalkv_recent_window``; its tokens are counted in the bits).  Results go to benchmarks/results/quality.{json,md} and PNG plots; each
 configuration is saved as soon as it is done, and a rerun with the same settings skips it.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import time
 from pathlib import Path
@@ -29,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_temporalkv.artifact import Artifact, default_artifact_path
+from vllm_temporalkv.codecs import calibration_free_quantizers
 from vllm_temporalkv.formats import FORMATS, get_format
 from vllm_temporalkv.hf_hooks import kv_output_hooks
 from vllm_temporalkv.layout import bits_per_float
@@ -43,7 +47,7 @@ ABLATION_FORMATS = ("temporalkv-2bit", "temporalkv-1bit")
 def config_names(formats: list[str], ablations: bool, have_unweighted: bool, seeds: tuple[str, ...] = ()) -> list[str]:
     names = ["bf16"]
     for f in formats:
-        names += [f, f"{f}-o1"]
+        names += [f, f"{f}-o1"] if get_format(f).needs_calibration else [f]
     names += list(seeds)
     if ablations:
         for f in ABLATION_FORMATS:
@@ -55,6 +59,19 @@ def config_names(formats: list[str], ablations: bool, have_unweighted: bool, see
             names.append(f"{f}@pure-temporal")
             names += [f"{f}@keys-only", f"{f}@values-only"]
     return names
+
+
+def artifact_free(name: str) -> bool:
+    """A configuration whose result does not depend on the calibration artifact."""
+    fmt = parse_config(name)[0]
+    return name == "bf16" or is_seed_config(name) or (fmt in FORMATS and not get_format(fmt).needs_calibration)
+
+
+def window_of(fmt: str, ablation: str | None) -> int:
+    """The recent window a configuration keeps: ``@windowN``, else the format's own."""
+    if ablation and ablation.startswith("window"):
+        return int(ablation.removeprefix("window"))
+    return get_format(fmt).window
 
 
 def parse_config(name: str) -> tuple[str | None, bool, str | None]:
@@ -72,7 +89,10 @@ class Simulator:
     protocol "thesis": the hook replaces K/V by their decoded values, for every query.
     protocol "causal": what a decode step of the server sees - a query attends to decoded K/V of
     the blocks completed before its own block, and to exact K/V of its own (incomplete) block; the
-    hook keeps K/V exact and stashes the decoded values for ``causal_attention``."""
+    hook keeps K/V exact and stashes the decoded values for ``causal_attention``.
+
+    A recent window (the selective formats, ``@windowN``) keeps the last tokens exact as the server does:
+    thesis protocol, those of the whole window; causal, those of each query (``layout.exact_from``)."""
 
     def __init__(self, name: str, art: Artifact, art_unweighted: Artifact | None, protocol: str = "thesis"):
         fmt, outliers, ablation = parse_config(name)
@@ -81,8 +101,14 @@ class Simulator:
         # the diagnosis of where a format loses: only keys or only values compressed, the other half exact
         self.exact_kind = {"keys-only": "v", "values-only": "k"}.get(ablation)
         self.qs = None
+        self.window = 0
         self.stash: dict[tuple[int, str], torch.Tensor] = {}
         if fmt is not None:
+            self.window = window_of(fmt, ablation)
+            if not get_format(fmt).needs_calibration:
+                pair = calibration_free_quantizers(get_format(fmt))
+                self.qs = collections.defaultdict(lambda: pair)  # the same (stateless) pair for every layer
+                return
             src = art_unweighted if ablation == "unweighted" else art
             methods = None
             if ablation == "pure-temporal":
@@ -94,6 +120,8 @@ class Simulator:
         if self.qs is not None and kind != self.exact_kind:
             q = self.qs[layer][0 if kind == "k" else 1]
             kw = {} if self.sinks is None else {"sinks": self.sinks}
+            # causal: every whole block decoded (which ones a query sees exactly is causal_attention's business)
+            kw["window"] = self.window if self.protocol == "thesis" else 0
             xq = torch.stack([q.fake_quant(x[b], **kw) for b in range(x.shape[0])])
             if self.protocol == "causal":
                 self.stash[(layer, kind)] = xq.to(out.dtype)
@@ -125,8 +153,9 @@ def causal_attention(module, query, key, value, attention_mask, scaling, dropout
     q = query.float()
     s_ex = torch.matmul(q, rep(key).transpose(2, 3)) * scaling
     s_q = torch.matmul(q, rep(kq).transpose(2, 3)) * scaling
-    blk = torch.arange(T, device=query.device) // BLOCK_TOKENS
-    own = blk[:, None] == blk[None, :]  # the query's own (incomplete) block stays exact
+    pos = torch.arange(T, device=query.device)
+    # the query's own (incomplete) block stays exact, and the recent window before it
+    own = (pos[None, :] >= ((pos - sim.window) // BLOCK_TOKENS * BLOCK_TOKENS)[:, None]) & (pos[None, :] <= pos[:, None])
     causal = torch.arange(T, device=query.device)[None, :] > torch.arange(T, device=query.device)[:, None]
     p = torch.softmax(torch.where(own, s_ex, s_q).masked_fill(causal, float("-inf")), -1)
     out = torch.matmul(p * own, rep(value)) + torch.matmul(p * ~own, rep(vq))
@@ -169,7 +198,7 @@ def _report(settings: dict, res: dict, art: Artifact | None, formats: list[str],
                 "hybrid": prev.get("hybrid", {}), "centroid_bytes": prev.get("centroid_bytes", {})}
     return {"settings": settings, "configs": res, "run": run_record(),
             "hybrid": {f: art.layer_methods[f] for f in formats if get_format(f).hybrid},
-            "centroid_bytes": {f: art.centroid_bytes(f) for f in formats}}
+            "centroid_bytes": {f: art.centroid_bytes(f) for f in formats if get_format(f).needs_calibration}}
 
 
 def run(args) -> dict:
@@ -183,7 +212,7 @@ def run(args) -> dict:
     from vllm_temporalkv.artifact import model_fingerprint
 
     fp = model_fingerprint(model.config)
-    wanted = args.formats or [*FORMATS, *SEED_CONFIGS]
+    wanted = list(dict.fromkeys(args.formats or [*FORMATS, *SEED_CONFIGS]))
     bad = [f for f in wanted if f not in FORMATS and not is_seed_config(f)]
     if bad:
         raise SystemExit(f"unknown --formats {bad}; known: {', '.join([*FORMATS, *SEED_CONFIGS])}")
@@ -198,12 +227,13 @@ def run(args) -> dict:
 
         prev = json.loads(out_json.read_text())
     # the artifact only where a format asks for one: the seed methods need no calibration
-    need_art = any(f in FORMATS for f in wanted)
+    free = [f for f in wanted if f in FORMATS and not get_format(f).needs_calibration]
+    need_art = any(f in FORMATS and get_format(f).needs_calibration for f in wanted)
     if need_art:
         art = Artifact.load(art_path, expect=fp, model_hint=args.model)
-        calibration, formats = art.calibration, [f for f in wanted if f in art.formats]
+        calibration, formats = art.calibration, [f for f in wanted if f in art.formats] + free
     else:
-        art, formats = None, []
+        art, formats = None, free
         calibration = prev.get("settings", {}).get("artifact_calibration")
     unweighted = Artifact.load(args.ablation_artifact, expect=fp) if args.ablation_artifact else None
     names = config_names(formats, not args.no_ablations and need_art, unweighted is not None, seeds)
@@ -217,7 +247,7 @@ def run(args) -> dict:
         if {k: v for k, v in prev.get("settings", {}).items() if k != "artifact_calibration"} == same:
             # configurations that use no artifact stay valid across calibrations
             res = {n: r for n, r in prev.get("configs", {}).items()
-                   if prev["settings"].get("artifact_calibration") == calibration or n == "bf16" or is_seed_config(n)}
+                   if prev["settings"].get("artifact_calibration") == calibration or artifact_free(n)}
     todo = [n for n in names if n not in res]
     print(f"{len(names)} configurations, {len(todo)} to run, {args.windows} x {args.seq_len} tokens of {args.data}")
     for name in tqdm(todo, desc="configs", unit="config"):
@@ -239,8 +269,9 @@ def run(args) -> dict:
             bits = sim.bits(args.seq_len)
         else:
             sim = Simulator(name, art, unweighted, args.protocol)
-            fmt, outliers, _ = parse_config(name)
-            bits = bits_per_float(get_format(fmt), fp["head_dim"], args.seq_len, outliers) if fmt else {"total": 16.0}
+            fmt, outliers, ablation = parse_config(name)
+            bits = (bits_per_float(get_format(fmt), fp["head_dim"], args.seq_len, outliers, window_of(fmt, ablation))
+                    if fmt else {"total": 16.0})
         nll, n = window_nll(model, windows, sim)
         res[name] = {"ppl": math.exp(nll / n), "nll": nll / n, "tokens": n, "seconds": round(time.time() - t0, 1),
                      "bits": bits, "command": run_record()["command"], **extra}
@@ -296,14 +327,15 @@ def write_markdown(report: dict, path: Path) -> None:
                 f"| {bits} | {f} | {res[f]['ppl']:.3f} | {o.get('ppl', float('nan')):.3f} | "
                 f"{res[f]['bits']['total']:.3f} | {o.get('bits', {}).get('total', float('nan')):.3f} | {cb:.2f} MiB |"
             )
-    seeds = [n for n in res if is_seed_config(n)]
+    seeds = [n for n in res if is_seed_config(n) or _family(n) == "selective"]
     if seeds:
-        lines += ["", "## Seed methods, not served yet (benchmarks/quality_seeds.py; all-in bits at "
-                  f"{ctx} tokens, windows included)", "",
+        lines += ["", "## Seed methods: selective (served, no calibration), TaDA and QJL (simulated, "
+                  f"benchmarks/quality_seeds.py); all-in bits at {ctx} tokens, windows included", "",
                   "| method | ppl | bits/float K | bits/float V | bits/float |", "|---|---|---|---|---|"]
         for n in sorted(seeds, key=lambda n: -res[n]["bits"]["total"]):
             b = res[n]["bits"]
-            lines.append(f"| {n} | {res[n]['ppl']:.3f} | {b['k']:.3f} | {b['v']:.3f} | {b['total']:.3f} |")
+            lines.append(f"| {n} | {res[n]['ppl']:.3f} | {b.get('k', b['total']):.3f} | {b.get('v', b['total']):.3f} | "
+                         f"{b['total']:.3f} |")
         cmds = sorted({res[n]["command"] for n in seeds if "command" in res[n]})
         lines += [""] + [f"Command for these rows: `{c}`" for c in cmds]
         mixed = [n for n in seeds if "layer_bits" in res[n]]

@@ -1,5 +1,5 @@
-"""The seed methods not served yet - selective sink+recent quantization (seed 003), TaDA (004), QJL (002) -
-in the quality harness's thesis protocol, on equal terms with the served formats.
+"""The seed methods not served yet - TaDA (seed 004), QJL (002) - in the quality harness's thesis protocol, on
+equal terms with the served formats (selective sink+recent quantization, seed 003, is served: a format).
 
 As for the formats, every query sees the cache as it stands once the whole window has been written: what the
 method keeps exact at that point (sinks, recent window, residual buffer) stays exact, the rest is compressed
@@ -16,22 +16,15 @@ from __future__ import annotations
 import torch
 
 from vllm_temporalkv.codecs import qjl
-from vllm_temporalkv.codecs.selective import SelectiveCodec, selective_mask
 from vllm_temporalkv.codecs.tada import CANDIDATE_BITS, RESIDUAL_TOKENS, TadaCodec, search_layer_bits, tada_mask
-from vllm_temporalkv.formats import SINK_TOKENS
 
 # name -> (method, bits of the compressed values); QJL's bits follow from its sketch sizes
 SEED_CONFIGS: dict[str, tuple[str, int | None]] = {
-    "selective-int8": ("selective", 8),
-    "selective-int4": ("selective", 4),
     "tada-4bit": ("tada", 4),
     "tada-2bit": ("tada", 2),
     "tada-mixed-3bit": ("tada", 3),  # per-layer bits in {2, 4, 8}, 3 on average: the paper's search (layer_bits)
     "qjl": ("qjl", None),
 }
-# the selective paper leaves its sink and window sizes open: our sinks, and the window QJL and TaDA keep
-SELECTIVE_SINKS = SINK_TOKENS
-SELECTIVE_WINDOW = 128
 
 
 def is_seed_config(name: str) -> bool:
@@ -77,9 +70,7 @@ class SeedSimulator:
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         self.kv_heads = hf_config.num_key_value_heads or heads
         self.layers = hf_config.num_hidden_layers
-        if self.method == "selective":
-            self.codec = SelectiveCodec(bits)
-        elif self.method == "tada":
+        if self.method == "tada":
             if is_mixed(name) and layer_bits is None:
                 raise ValueError(f"{name} needs its per-layer bits (tada_layer_bits)")
             self.layer_bits = layer_bits or [bits] * self.layers
@@ -97,8 +88,6 @@ class SeedSimulator:
 
     def _one(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
         """One sequence [T, H, D] of pre-RoPE keys or values -> what attention sees, float32."""
-        if self.method == "selective":
-            return self.codec.fake_quant(x, SELECTIVE_SINKS, SELECTIVE_WINDOW).float()
         if self.method == "tada":
             return self.codecs[self.layer_bits[layer]].fake_quant(x, RESIDUAL_TOKENS).float()
         T = x.shape[0]
@@ -119,10 +108,7 @@ class SeedSimulator:
     def bits(self, seq_len: int) -> dict[str, float]:
         """All-in bits per float at seq_len tokens (module docstring); 'total' as for the formats."""
         D, H, T = self.head_dim, self.kv_heads, seq_len
-        if self.method == "selective":
-            n = int(selective_mask(T, SELECTIVE_SINKS, SELECTIVE_WINDOW).sum())
-            k = v = (n * self.codec.bits_per_float(D) + (T - n) * 16) / T
-        elif self.method == "tada":
+        if self.method == "tada":
             n = int(tada_mask(T, RESIDUAL_TOKENS).sum())
             per = sum(self.codecs[b].bits_per_float(D, H) for b in self.layer_bits) / self.layers
             k = v = (n * per + (T - n) * 16) / T

@@ -8,7 +8,7 @@ import torch
 from vllm_temporalkv.calibration import run as calibrate
 from tests.conftest import TINY_FORMATS
 from vllm_temporalkv.artifact import Artifact, model_fingerprint
-from vllm_temporalkv.formats import SINK_TOKENS
+from vllm_temporalkv.formats import SINK_TOKENS, get_format
 from vllm_temporalkv.models import load_hf_model
 
 
@@ -87,6 +87,10 @@ def test_quality_harness_protocol(tiny_artifact, smollm2_dir, tmp_path):
     assert causal["temporalkv-2bit"] > causal["bf16"] and causal["temporalkv-2bit"] != nll["temporalkv-2bit"]
     k_only = window_nll(model, ids, Simulator("temporalkv-2bit@keys-only", art, None, "causal"))[0]
     assert causal["bf16"] < k_only < causal["temporalkv-2bit"]
+    # a recent window of exact tokens recovers part of the loss, in both protocols
+    for protocol, ref in (("thesis", nll), ("causal", causal)):
+        w = window_nll(model, ids, Simulator("temporalkv-2bit@window32", art, None, protocol))[0]
+        assert ref["bf16"] < w < ref["temporalkv-2bit"], (protocol, w, ref)
     # the hook leaves the sink tokens' K/V bit-exact (bf16) and changes the rest
     sim = Simulator("temporalkv-2bit", art, None)
     x = torch.randn(1, 64, 3, 64)
@@ -96,10 +100,12 @@ def test_quality_harness_protocol(tiny_artifact, smollm2_dir, tmp_path):
 
 
 def test_quality_harness_seed_methods(smollm2_dir, tmp_path):
-    """Selective, TaDA and QJL in the thesis protocol: their exact tokens stay bit-exact, the rest is changed,
-    fewer bits cost more NLL, and QJL's key surrogate gives attention its score estimate."""
+    """Selective (a served format: the harness's format Simulator), TaDA and QJL in the thesis protocol: their
+    exact tokens stay bit-exact, the rest is changed, fewer bits cost more NLL, and QJL's key surrogate gives
+    attention its score estimate."""
     from benchmarks.quality_seeds import SEED_CONFIGS, SeedSimulator, is_mixed
-    from benchmarks.quality import window_nll
+    from benchmarks.quality import Simulator, window_nll
+    from vllm_temporalkv.layout import bits_per_float
     from vllm_temporalkv.codecs import qjl
     from vllm_temporalkv.corpora import load_corpus, token_windows
     from vllm_temporalkv.models import load_tokenizer
@@ -108,15 +114,17 @@ def test_quality_harness_seed_methods(smollm2_dir, tmp_path):
     model = load_hf_model(smollm2_dir)
     cfg = model.config
     sims = {n: SeedSimulator(n, cfg, torch.bfloat16) for n in SEED_CONFIGS if not is_mixed(n)}
+    sims.update({n: Simulator(n, None, None) for n in ("selective-int8", "selective-int4")})
     x = torch.randn(1, 300, 3, 64)
     xb = x.bfloat16().float()
     for n, sim in sims.items():
         for kind in "kv":
             y = sim(3, kind, x)
-            # 300 tokens: selective keeps 8 sinks + 128 recent, TaDA its residual buffer (300 - 256), QJL its key
-            # blocks of 128 (300 - 256) and 128 recent values
-            exact = {"selective": torch.cat([torch.arange(8), torch.arange(172, 300)]),
-                     "tada": torch.arange(256, 300)}.get(sim.method, torch.arange(256 if kind == "k" else 172, 300))
+            # 300 tokens: selective keeps 8 sinks + the last 128..135 (whole blocks: from 168), TaDA its residual
+            # buffer (300 - 256), QJL its key blocks of 128 (300 - 256) and 128 recent values
+            method = getattr(sim, "method", "selective")
+            exact = {"selective": torch.cat([torch.arange(8), torch.arange(168, 300)]),
+                     "tada": torch.arange(256, 300)}.get(method, torch.arange(256 if kind == "k" else 172, 300))
             assert torch.equal(y[0, exact], xb[0, exact]), (n, kind)
             comp = torch.ones(300, dtype=torch.bool)
             comp[exact] = False
@@ -137,7 +145,8 @@ def test_quality_harness_seed_methods(smollm2_dir, tmp_path):
     base = window_nll(model, ids, lambda layer, kind, out: out.to(torch.bfloat16).to(out.dtype))[0]
     assert all(v > base for v in nll.values()), (nll, base)
     assert nll["selective-int4"] > nll["selective-int8"] and nll["tada-2bit"] > nll["tada-4bit"], nll
-    bits = {n: s.bits(2048)["total"] for n, s in sims.items()}
+    bits = {n: s.bits(2048)["total"] for n, s in sims.items() if n in SEED_CONFIGS}
+    bits.update({n: bits_per_float(get_format(n), 64, 2048)["total"] for n in ("selective-int8", "selective-int4")})
     assert bits["selective-int8"] > bits["selective-int4"] > 4 and bits["tada-4bit"] > bits["tada-2bit"], bits
 
 

@@ -7,11 +7,11 @@ from vllm_temporalkv.codecs import make_codec
 from vllm_temporalkv.codecs.base import exact_sq_dist, nearest, nearest_torch
 from vllm_temporalkv.codecs.outliers import merge_outliers, split_outliers
 from vllm_temporalkv.codecs.quantizer import ChannelStats, KVQuantizer
-from vllm_temporalkv.formats import BLOCK_TOKENS, FORMATS, SINK_TOKENS, get_format, outlier_cap
+from vllm_temporalkv.formats import BLOCK_TOKENS, FORMATS, SINK_TOKENS, calibrated_formats, get_format, outlier_cap
 from vllm_temporalkv.calibration import numba_search as cpu
 from vllm_temporalkv.calibration.fit import fit_codebooks
 
-ALL = [(f.method, f.chunk, f.n_centroids) for f in FORMATS.values()]
+ALL = [(f.method, f.chunk, f.n_centroids) for f in FORMATS.values() if f.needs_calibration]
 
 
 def data(T=64, H=2, D=16, seed=0):
@@ -68,7 +68,7 @@ def test_code_is_true_argmin_and_decode_is_lookup(method, chunk, k):
     assert torch.equal(c.to_vectors(dec), lookup)
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", calibrated_formats())
 def test_shapes_and_bits(fmt):
     f = get_format(fmt)
     T, H, D = 32, 3, 64

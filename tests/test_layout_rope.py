@@ -12,16 +12,22 @@ from vllm_temporalkv.rope import Rope
 def test_pack_roundtrip_and_page_bytes(name):
     f = get_format(name)
     H, D = 3, 64
-    rows = {"temporal": 16 // f.chunk, "channel": 16, "scalar": 16}[f.method]
-    width = {"temporal": D, "channel": D // f.chunk, "scalar": D}[f.method]
+    rows = {"temporal": 16 // f.chunk, "channel": 16, "scalar": 16, "selective": 16}[f.method]
+    width = {"temporal": D, "channel": D // f.chunk, "scalar": D, "selective": D}[f.method]
     codes = torch.randint(0, f.n_centroids, (rows, H, width), dtype=torch.uint8)
     packed = pack_block_codes(f.code_layout, codes)
-    lay = PageLayout(f, D, 128)
+    lay = PageLayout(f, D, 128, window=0)
     assert packed.shape == (2, H, lay.code_bytes)
     assert torch.equal(unpack_block_codes(f.code_layout, packed, D), codes)
-    # bytes per page: codes at the nominal rate + a fixed 16-token half-precision region
-    assert lay.bytes == 16 * 2 * D * 2 + 2 * 128 * D * f.bits_per_float // 8
-    assert lay.ratio_vs_half() == pytest.approx(16 / (f.bits_per_float + 16 * 16 / 128), rel=1e-9)
+    # bytes per page: codes at the nominal rate (+ one fp16 scale per token for selective) + a fixed
+    # 16-token half-precision region
+    scales = 2 * 128 * 2 if f.method == "selective" else 0
+    assert lay.bytes == 16 * 2 * D * 2 + 2 * 128 * D * f.bits_per_float // 8 + scales
+    assert lay.ratio_vs_half() == pytest.approx(16 / (f.bits_per_float + 16 * 16 / 128 + scales * 8 / (2 * 128 * D)),
+                                                rel=1e-9)
+    # a recent window adds its tokens to every page's region
+    if f.window:
+        assert PageLayout(f, D, 1024).bytes == PageLayout(f, D, 1024, window=0).bytes + f.window * 2 * D * 2
 
 
 def test_views_do_not_overlap():
@@ -37,6 +43,15 @@ def test_views_do_not_overlap():
     assert (lay.region_view(pages, torch.bfloat16) == 1.0).all()
     assert (lay.codes_view(pages, "k") == 2).all() and (lay.codes_view(pages, "v") == 3).all()
     assert (lay.outlier_views(pages, "k", torch.bfloat16)[0] == 4).all()
+    sel = PageLayout(get_format("selective-int4"), 64, 256)  # window ring, codes, scales
+    pages = torch.zeros(2, 3, sel.bytes, dtype=torch.uint8)
+    sel.region_view(pages, torch.bfloat16).fill_(1.0)
+    for kind, c, f in (("k", 2, 3.0), ("v", 4, 5.0)):
+        sel.codes_view(pages, kind).fill_(c)
+        sel.scales_view(pages, kind).fill_(f)
+    assert (sel.region_view(pages, torch.bfloat16) == 1.0).all() and (sel.codes_view(pages, "k") == 2).all()
+    assert (sel.scales_view(pages, "k") == 3.0).all() and (sel.scales_view(pages, "v") == 5.0).all()
+    assert sel.v_scales + sel.blocks * sel.scale_bytes <= sel.bytes
 
 
 def test_bits_accounting():

@@ -130,6 +130,23 @@ def test_selective_rejects_other_bits():
         SelectiveCodec(2)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_served_selective_codes_are_the_codec(bits):
+    """What the pages hold (unsigned codes of ``bits`` bits + fp16 scales, SelectiveQuantizer) decodes to exactly
+    the paper's quantize-dequantize (SelectiveCodec), through the page's code packing."""
+    from vllm_temporalkv.codecs.selective import SelectiveQuantizer
+    from vllm_temporalkv.layout import pack_block_codes, unpack_block_codes
+
+    g = torch.Generator().manual_seed(bits)
+    x = (torch.randn(24, 3, 64, generator=g) * 3).bfloat16()
+    x[5] = 0.0  # an all-zero token
+    q = SelectiveQuantizer(bits)
+    enc = q.encode(x)
+    assert enc.codes.dtype == torch.uint8 and int(enc.codes.max()) < 2**bits and int(enc.codes.min()) >= 1
+    enc.codes = unpack_block_codes(q.codec.layout, pack_block_codes(q.codec.layout, enc.codes), 64)
+    assert torch.equal(q.decode(enc, 24, torch.float32), q.codec.decode(*q.codec.encode(x), torch.float32))
+
+
 def test_selective_mask_short_sequences_stay_exact():
     for T in range(0, 13):
         assert not selective_mask(T, 4, 8).any()

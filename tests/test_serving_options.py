@@ -10,15 +10,15 @@ pytest.importorskip("vllm")
 from vllm_temporalkv.vllm.plugin import TemporalKVConfigError, serving_options  # noqa: E402
 
 
-def cfg(tmp_path, **extra):
+def cfg(tmp_path, fmt="temporalkv-2bit", **extra):
     return SimpleNamespace(additional_config=extra, model_config=SimpleNamespace(model=str(tmp_path)),
-                           cache_config=SimpleNamespace(cache_dtype="temporalkv-2bit"))
+                           cache_config=SimpleNamespace(cache_dtype=fmt, block_size=1024))
 
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
     for k in ("VLLM_TEMPORALKV_ARTIFACT", "VLLM_TEMPORALKV_OUTLIERS", "VLLM_TEMPORALKV_BATCH_INVARIANT",
-              "VLLM_BATCH_INVARIANT"):
+              "VLLM_BATCH_INVARIANT", "VLLM_TEMPORALKV_RECENT_WINDOW"):
         monkeypatch.delenv(k, raising=False)
 
 
@@ -33,6 +33,19 @@ def test_defaults_and_values(tmp_path, monkeypatch):
     assert not serving_options(cfg(tmp_path, temporalkv_outliers=False))["outliers"]  # the config wins
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     assert serving_options(cfg(tmp_path))["batch_invariant"]
+    # the recent window: the format's by default, any multiple of 8 below the page size on request
+    assert serving_options(cfg(tmp_path))["window"] == 0
+    assert serving_options(cfg(tmp_path, temporalkv_recent_window=24))["window"] == 24
+    monkeypatch.setenv("VLLM_TEMPORALKV_RECENT_WINDOW", "16")
+    assert serving_options(cfg(tmp_path))["window"] == 16
+
+
+def test_a_calibration_free_format_needs_no_artifact(tmp_path):
+    o = serving_options(cfg(tmp_path / "not-a-folder", "selective-int8"))
+    assert o["artifact"] is None and o["window"] == 128
+    assert serving_options(cfg(tmp_path, "selective-int4", temporalkv_recent_window=0))["window"] == 0
+    with pytest.raises(TemporalKVConfigError, match="selective-int8 keeps no outliers"):
+        serving_options(cfg(tmp_path, "selective-int8", temporalkv_outliers=True))
 
 
 @pytest.mark.parametrize("extra,env,message", [
@@ -42,6 +55,10 @@ def test_defaults_and_values(tmp_path, monkeypatch):
     ({"temporalkv_outlier": True}, {}, r"unknown option\(s\) temporalkv_outlier; the plugin's options are "
                                        r"temporalkv_artifact, temporalkv_outliers"),
     ({"temporalkv_artifact": 7}, {}, r"temporalkv_artifact=7: expected a file path"),
+    ({"temporalkv_recent_window": 12}, {}, r"temporalkv_recent_window=12: the recent window is kept in whole "
+                                           r"blocks; use a multiple of 8"),
+    ({}, {"VLLM_TEMPORALKV_RECENT_WINDOW": "lots"}, r"VLLM_TEMPORALKV_RECENT_WINDOW='lots' is not a whole number"),
+    ({"temporalkv_recent_window": 1024}, {}, r"must fit in one page of 1024; use a larger --block-size"),
 ])
 def test_bad_options(tmp_path, monkeypatch, extra, env, message):
     for k, v in env.items():

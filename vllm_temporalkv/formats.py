@@ -10,10 +10,17 @@ one code per vector), after per-channel normalization.  They differ in what a *v
   256 centroids per channel group.
 * ``scalar`` (KVQuant-style non-uniform datatype): one value; 2**bits centroids per channel.
 
+and one format family needs no calibration at all:
+* ``selective`` (seed 003, "Don't Drop It, Compress It"): every token per token symmetric int8 / int4
+  with an fp16 absmax scale, behind a recent window of ``window`` tokens kept in half precision.
+
 Shared by all formats (so they are compared on equal terms):
 * ``SINK_TOKENS`` first tokens of every sequence stay in half precision (attention sinks);
 * tokens are encoded in blocks of ``BLOCK_TOKENS`` (every chunk length divides it); the newest,
   incomplete block waits in a half-precision tail - the thesis's "same small fp16 local window";
+* an optional recent window (``window`` tokens, a multiple of BLOCK_TOKENS; 0 for the thesis's formats,
+  the serving option ``temporalkv_recent_window`` for any): a block is encoded only once ``window`` newer
+  tokens exist, so a query sees the last ``window`` to ``window + 7`` tokens exactly (layout.PageLayout);
 * optional dense-and-sparse outliers: values outside per-channel calibration quantiles are kept
   exactly, at most ``outlier_cap(head_dim)`` per (block, KV head, K/V), i.e. <= 1% of values.
 """
@@ -27,20 +34,28 @@ SINK_TOKENS = 8
 BLOCK_TOKENS = 8
 OUTLIER_FRACTION = 0.01
 OUTLIER_QUANTILES = (0.005, 0.995)
+SELECTIVE_WINDOW = 128  # the selective paper leaves its window open; the quality harness's too
 
-METHODS = ("temporal", "channel", "scalar")
+METHODS = ("temporal", "channel", "scalar", "selective")
+CODEBOOK_METHODS = ("temporal", "channel", "scalar")  # calibrated: codebooks in an artifact
 
 
 @dataclasses.dataclass(frozen=True)
 class KVFormat:
     name: str
-    method: str  # "temporal" | "channel" | "scalar"
+    method: str  # one of METHODS
     bits_per_float: int  # nominal: code bits / floats per vector (not the all-in cost: layout.bits_per_float)
-    chunk: int  # floats per vector: tokens (temporal), channels (channel), 1 (scalar)
-    n_centroids: int
+    chunk: int  # floats per vector: tokens (temporal), channels (channel), 1 (scalar, selective)
+    n_centroids: int  # codebook size; for selective, the 2**bits code levels
     # per layer and K/V, calibration may choose channel chunking (same l, same bits) where its
     # Fisher-MSE is lower: the thesis's hybrid TemporalKV
     hybrid: bool = False
+    window: int = 0  # recent tokens kept in half precision by default (the serving option overrides)
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Codebook formats serve from a calibration artifact; the others need none."""
+        return self.method in CODEBOOK_METHODS
 
     @property
     def code_layout(self):
@@ -77,6 +92,9 @@ def _build() -> dict[str, KVFormat]:
         out[f"temporalkv-{bits}bit"] = KVFormat(f"temporalkv-{bits}bit", "temporal", bits, l, 256, hybrid=True)
         out[f"channelkv-{bits}bit"] = KVFormat(f"channelkv-{bits}bit", "channel", bits, l, 256)
         out[f"kvquant-{bits}bit"] = KVFormat(f"kvquant-{bits}bit", "scalar", bits, 1, 2**bits)
+    for bits in (8, 4):
+        out[f"selective-int{bits}"] = KVFormat(f"selective-int{bits}", "selective", bits, 1, 2**bits,
+                                               window=SELECTIVE_WINDOW)
     return out
 
 
@@ -96,6 +114,27 @@ def get_format(name: str) -> KVFormat:
         ) from None
 
 
+def calibrated_formats() -> list[str]:
+    """The formats a calibration artifact can hold codebooks for."""
+    return [n for n, f in FORMATS.items() if f.needs_calibration]
+
+
+def check_window(window, block_size: int, where: str = "temporalkv_recent_window") -> int:
+    """A recent window in tokens: a multiple of BLOCK_TOKENS, >= 0, below the page size."""
+    if isinstance(window, bool) or not isinstance(window, int):
+        try:
+            window = int(str(window).strip())
+        except ValueError:
+            raise FormatError(f"{where}={window!r} is not a whole number of tokens") from None
+    if window < 0 or window % BLOCK_TOKENS:
+        raise FormatError(f"{where}={window}: the recent window is kept in whole blocks; use a multiple of "
+                          f"{BLOCK_TOKENS} (0 = none)")
+    if window + BLOCK_TOKENS > block_size:
+        raise FormatError(f"{where}={window}: the window and the incomplete block ({window + BLOCK_TOKENS} tokens) "
+                          f"must fit in one page of {block_size}; use a larger --block-size or a smaller window")
+    return window
+
+
 def outlier_cap(head_dim: int) -> int:
     """Most values kept exact per (block of BLOCK_TOKENS tokens, KV head, K or V): <= 1%."""
     return int(OUTLIER_FRACTION * BLOCK_TOKENS * head_dim)
@@ -108,5 +147,7 @@ def check_head_dim(fmt: KVFormat, head_dim: int) -> None:
                 f"{fmt.name} groups {fmt.chunk} channels per vector, which does not divide "
                 f"head_dim={head_dim}; choose a format with a chunk length dividing {head_dim}"
             )
+    if fmt.method == "selective" and head_dim % 2:
+        raise FormatError(f"{fmt.name} packs codes two per byte and needs an even head_dim, got {head_dim}")
     if BLOCK_TOKENS % fmt.chunk and fmt.method == "temporal":
         raise FormatError(f"{fmt.name}: chunk {fmt.chunk} must divide BLOCK_TOKENS={BLOCK_TOKENS}")

@@ -26,13 +26,18 @@ def outlier_bits_per_float(head_dim: int) -> float:
     return outlier_cap(head_dim) * OUTLIER_SLOT_BITS / (BLOCK_TOKENS * head_dim)
 
 
-def bits_per_float(fmt: KVFormat, head_dim: int, context: int, outliers: bool = False) -> dict[str, float]:
-    """Average bits per cached K/V float for one sequence of ``context`` tokens."""
+def bits_per_float(fmt: KVFormat, head_dim: int, context: int, outliers: bool = False,
+                   window: int | None = None) -> dict[str, float]:
+    """Average bits per cached K/V float for one sequence of ``context`` tokens (the sequence's own
+    cost: a page's fixed region is PageLayout's business)."""
+    window = fmt.window if window is None else window
+    cl = fmt.code_layout
     n_sink = min(SINK_TOKENS, context)
-    tail = min((BLOCK_TOKENS - 1) / 2, max(0, context - n_sink))
+    tail = min(window + (BLOCK_TOKENS - 1) / 2, max(0, context - n_sink))
     coded = max(0.0, context - n_sink - tail)
     parts = {
-        "codes": fmt.bits_per_float * coded / context,
+        "codes": cl.bits_per_float() * coded / context,
+        "scales": cl.scale_bits_per_float(head_dim) * coded / context,
         "outliers": (outlier_bits_per_float(head_dim) * coded / context) if outliers else 0.0,
         "sinks": HALF_BITS * n_sink / context,
         "tail": HALF_BITS * tail / context,
@@ -59,7 +64,8 @@ class CodeLayout:
     vec_tokens: int
     vec_channels: int
     group_channels: int
-    n_centroids: int
+    n_centroids: int  # codebook size, or the 2**bits levels of a scaled integer code
+    row_scales: bool = False  # each code row (token) of a KV head carries an fp16 scale (selective)
 
     @property
     def vec_dim(self) -> int:
@@ -86,15 +92,23 @@ class CodeLayout:
         """Code bytes of one block of BLOCK_TOKENS tokens of one KV head."""
         return self.rows * self.cols(head_dim) * self.code_bits // 8
 
+    def scale_bytes(self) -> int:
+        """Scale bytes of one block of one KV head (fp16, one per code row)."""
+        return self.rows * 2 if self.row_scales else 0
+
     def bits_per_float(self) -> float:
         return self.code_bits / self.vec_dim
 
+    def scale_bits_per_float(self, head_dim: int) -> float:
+        return 8 * self.scale_bytes() / (BLOCK_TOKENS * head_dim)
 
-# method -> (vec_tokens, vec_channels, group_channels) for chunk length l; see formats.py
+
+# method -> (vec_tokens, vec_channels, group_channels[, row_scales]) for chunk length l; see formats.py
 _GEOMETRY = {
     "temporal": lambda l: (l, 1, l),  # l tokens of one channel; codebooks shared by l channels
     "channel": lambda l: (1, l, l),  # l adjacent channels of one token
     "scalar": lambda l: (1, 1, 1),  # one value; a codebook per channel
+    "selective": lambda l: (1, 1, 1, True),  # one value; an absmax scale per (token, KV head)
 }
 
 
@@ -103,26 +117,38 @@ def code_layout(method: str, chunk: int, n_centroids: int) -> CodeLayout:
         geom = _GEOMETRY[method]
     except KeyError:
         raise ValueError(f"no code layout for method {method!r}; known: {', '.join(_GEOMETRY)}") from None
-    return CodeLayout(method, *geom(chunk), n_centroids)
+    return CodeLayout(method, *geom(chunk)[:3], n_centroids, *geom(chunk)[3:])
 
 
 # ---------------------------------------------------------------------------------------------
 # The paged layout served by vLLM: one flat byte record per (page, KV head)
 #
-#   region   [REGION_SLOTS, 2 (K, V), D] half   slots 0..7: the sequence's sink tokens (page 0)
-#                                               slots 8..15: the incomplete block (the tail), in
-#                                               whichever page holds it
+#   region   [8 + R, 2 (K, V), D] half   slots 0..7: the sequence's sink tokens (page 0)
+#                                        slots 8..8+R-1: the ring, R = window + BLOCK_TOKENS: token p
+#                                        waits in slot 8 + p % R of its own page until its block leaves
+#                                        the recent window (window 0: R = 8, the incomplete block - the tail)
 #   k_codes  [nb = B / BLOCK_TOKENS, code_bytes = BLOCK_TOKENS * D * bits / 8] uint8
 #   v_codes  [nb, code_bytes] uint8
+#   (row scales only) k_scales [nb, 8] fp16, v_scales
 #   (outliers only) k_idx [nb, cap] int16, k_val [nb, cap] half, v_idx, v_val
+#
+# A block (8b .. 8b+7) is encoded when the sequence reaches 8b + 8 + window tokens, so the tokens not yet
+# encoded are the last window..window+7, a contiguous run of at most R positions: their slots p % R differ.
+# (A full page keeps its ring: a prefix-cache hit on it reads the same exact tokens.)
 #
 # Everything a sequence needs lives in its own pages, so prefix caching (full pages are shared,
 # their tail slots unused), chunked prefill (the tail persists in the page) and preemption by
 # recompute need nothing outside vLLM's block manager.  The price is the fixed region per page:
-# 16 half-precision tokens, which large pages amortize (see DESIGN in README / capacity bench).
+# 16 half-precision tokens (+ the window), which large pages amortize (see DESIGN in README / capacity bench).
 
-REGION_SLOTS = 2 * BLOCK_TOKENS  # sinks + tail
-TAIL_SLOT0 = BLOCK_TOKENS
+REGION_SLOTS = 2 * BLOCK_TOKENS  # sinks + tail, without a window
+TAIL_SLOT0 = BLOCK_TOKENS  # the ring's first slot
+
+
+def exact_from(n: int, window: int) -> int:
+    """First position kept exact (not yet encoded) once a sequence holds n tokens, and the first a query at
+    position n sees exactly: blocks before it are encoded.  The sinks (block 0) are never encoded."""
+    return max(SINK_TOKENS, (n - window) // BLOCK_TOKENS * BLOCK_TOKENS)
 
 
 def code_bytes_per_block(fmt: KVFormat, head_dim: int) -> int:
@@ -134,24 +160,36 @@ def code_bytes_per_block(fmt: KVFormat, head_dim: int) -> int:
 class PageLayout:
     """Byte offsets inside one (page, KV head) record; shared by the torch path and kernels."""
 
-    def __init__(self, fmt: KVFormat, head_dim: int, block_size: int, outliers: bool = False):
+    def __init__(self, fmt: KVFormat, head_dim: int, block_size: int, outliers: bool = False,
+                 window: int | None = None):
+        from .formats import check_window
+
         if block_size % BLOCK_TOKENS or block_size < 2 * BLOCK_TOKENS:
             raise ValueError(
                 f"{fmt.name} needs a block size that is a multiple of {BLOCK_TOKENS} and at least "
                 f"{2 * BLOCK_TOKENS}, got {block_size}"
             )
         self.fmt, self.head_dim, self.block_size, self.outliers = fmt, head_dim, block_size, outliers
+        self.window = check_window(fmt.window if window is None else window, block_size)
+        self.ring = self.window + BLOCK_TOKENS
+        self.region_slots = SINK_TOKENS + self.ring
         D = head_dim
+        cl = fmt.code_layout
         self.blocks = block_size // BLOCK_TOKENS  # encode blocks per page
         self.code_bytes = code_bytes_per_block(fmt, D)
+        self.scale_bytes = cl.scale_bytes()
         self.cap = outlier_cap(D) if outliers else 0
         off = 0
         self.region = off
-        off += REGION_SLOTS * 2 * D * 2
+        off += self.region_slots * 2 * D * 2
         self.k_codes = off
         off += self.blocks * self.code_bytes
         self.v_codes = off
         off += self.blocks * self.code_bytes
+        self.k_scales = off
+        off += self.blocks * self.scale_bytes
+        self.v_scales = off
+        off += self.blocks * self.scale_bytes
         self.k_idx = off
         off += self.blocks * self.cap * 2
         self.k_val = off
@@ -171,9 +209,19 @@ class PageLayout:
         return pages[..., start : start + nbytes]
 
     def region_view(self, pages, dtype):
-        """[num_pages, H, REGION_SLOTS, 2, D] in the model's half dtype."""
-        n = REGION_SLOTS * 2 * self.head_dim * 2
-        return self._slice(pages, self.region, n).view(dtype).unflatten(-1, (REGION_SLOTS, 2, self.head_dim))
+        """[num_pages, H, region_slots, 2, D] in the model's half dtype."""
+        n = self.region_slots * 2 * self.head_dim * 2
+        return self._slice(pages, self.region, n).view(dtype).unflatten(-1, (self.region_slots, 2, self.head_dim))
+
+    def ring_slot(self, positions):
+        """Region slot of tokens waiting to be encoded (positions >= SINK_TOKENS)."""
+        return TAIL_SLOT0 + positions % self.ring
+
+    def scales_view(self, pages, kind: str):
+        """[num_pages, H, blocks, BLOCK_TOKENS] fp16 row scales for K ("k") or V ("v")."""
+        start = self.k_scales if kind == "k" else self.v_scales
+        n = self.blocks * self.scale_bytes
+        return self._slice(pages, start, n).view(torch.float16).unflatten(-1, (self.blocks, BLOCK_TOKENS))
 
     def codes_view(self, pages, kind: str):
         """[num_pages, H, blocks, code_bytes] uint8 for K ("k") or V ("v")."""

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from .. import __version__
 from ..artifact import Artifact, default_artifact_path, model_fingerprint
 from ..codecs.quantizer import ChannelStats
-from ..formats import FORMATS, check_head_dim, get_format
+from ..formats import FormatError, calibrated_formats, check_head_dim, get_format
 
 from .collect import collect_kv_grads, load_collected, save_collected
 from .fit import fit_layer
@@ -85,9 +85,11 @@ def run_calibration(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if num_samples is None:
         num_samples = THESIS_SAMPLES if device.startswith("cuda") else CPU_SAMPLES
-    formats = list(FORMATS) if not formats or formats == ["all"] else formats
+    formats = calibrated_formats() if not formats or formats == ["all"] else formats
     for f in formats:
-        get_format(f)  # fail early on a bad name
+        if not get_format(f).needs_calibration:  # fail early on a bad name, or one that has nothing to fit
+            raise FormatError(f"{f} needs no calibration (it serves without an artifact); calibrate codebook "
+                              f"formats: {' '.join(calibrated_formats())}")
     keys = codebook_keys(formats)
 
     model_dir = resolve_model(model)

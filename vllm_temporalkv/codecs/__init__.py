@@ -3,9 +3,9 @@ tested against.  One module per method (temporal, channel, scalar = KVQuant-styl
 interface; ``quantizer`` adds what every method shares (normalization, sinks, blocks, outliers).
 
 The seed baselines that are not codebook methods have reference codecs of their own shape, used by the
-quality harness (benchmarks/quality_seeds.py) and not served yet: ``selective`` (seed 003, per-token
-symmetric int8 / int4), ``tada`` (seed 004, mean across KV heads + asymmetric deviations, per-layer bits
-search) and ``qjl`` (seed 002, 1-bit JL key sketches + 2-bit values)."""
+quality harness (benchmarks/quality_seeds.py): ``selective`` (seed 003, per-token symmetric int8 / int4;
+served, behind ``SelectiveQuantizer``), ``tada`` (seed 004, mean across KV heads + asymmetric deviations,
+per-layer bits search) and ``qjl`` (seed 002, 1-bit JL key sketches + 2-bit values), not served yet."""
 
 from .base import Codec, exact_sq_dist, nearest
 from .channel import ChannelCodec
@@ -17,6 +17,15 @@ CODECS: dict[str, type[Codec]] = {
     "channel": ChannelCodec,
     "scalar": ScalarCodec,
 }
+
+
+def calibration_free_quantizers(fmt):
+    """(K, V) serving quantizers of a format that needs no calibration artifact."""
+    if fmt.method == "selective":
+        from .selective import SelectiveQuantizer
+
+        return SelectiveQuantizer(fmt.bits_per_float), SelectiveQuantizer(fmt.bits_per_float)
+    raise ValueError(f"{fmt.name} is served from a calibration artifact (method {fmt.method!r})")
 
 
 def make_codec(method: str, chunk: int, n_centroids: int, centroids=None) -> Codec:
@@ -33,6 +42,7 @@ __all__ = [
     "Codec",
     "ScalarCodec",
     "TemporalCodec",
+    "calibration_free_quantizers",
     "exact_sq_dist",
     "make_codec",
     "nearest",

@@ -41,6 +41,7 @@ class Encoded:
     codes: torch.Tensor  # uint8, the codec's natural layout
     outlier_idx: torch.Tensor | None  # [nb, H, cap] int16, -1 = empty slot
     outlier_val: torch.Tensor | None  # [nb, H, cap], the model's dtype (exact)
+    scales: torch.Tensor | None = None  # [T, H] fp16 per-token scales (row-scaled codes: selective)
 
 
 class KVQuantizer:
@@ -79,14 +80,19 @@ class KVQuantizer:
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         return self.decode(self.encode(x), x.shape[0], x.dtype)
 
-    def fake_quant(self, x: torch.Tensor, sinks: int = SINK_TOKENS) -> torch.Tensor:
-        """Simulated compression of one sequence [T, H, D]: sinks and the incomplete tail block
-        stay exact; every whole block after the sinks is encoded and decoded."""
-        T = x.shape[0]
-        start = min(sinks, T)
-        n = (T - start) // BLOCK_TOKENS * BLOCK_TOKENS
-        if n == 0:
-            return x
-        out = x.clone()
-        out[start : start + n] = self.roundtrip(x[start : start + n])
-        return out
+    def fake_quant(self, x: torch.Tensor, sinks: int = SINK_TOKENS, window: int = 0) -> torch.Tensor:
+        return fake_quant(self, x, sinks, window)
+
+
+def fake_quant(q, x: torch.Tensor, sinks: int = SINK_TOKENS, window: int = 0) -> torch.Tensor:
+    """Simulated compression of one sequence [T, H, D] by quantizer ``q``: the sinks, the incomplete tail
+    block and the recent window before it (``window`` tokens) stay exact; every whole block between the
+    sinks and them is encoded and decoded - the cache as the server holds it after T tokens."""
+    T = x.shape[0]
+    start = min(sinks, T)
+    n = max(0, T - start - window) // BLOCK_TOKENS * BLOCK_TOKENS
+    if n == 0:
+        return x
+    out = x.clone()
+    out[start : start + n] = q.roundtrip(x[start : start + n])
+    return out

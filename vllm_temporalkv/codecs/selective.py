@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from ..layout import CodeLayout, code_layout
+
 EPS = 2.0**-24  # smallest positive fp16 (subnormal); see the module docstring
 QMAX = {8: 127, 4: 7}
 
@@ -51,6 +53,8 @@ class SelectiveCodec:
             raise ValueError(f"selective quantization supports {sorted(QMAX)} bits, got {bits}")
         self.bits = bits
         self.qmax = QMAX[bits]
+        # in pages: q + qmax + 1 as an unsigned code of ``bits`` bits, one fp16 scale per (token, head)
+        self.layout: CodeLayout = code_layout("selective", 1, 2**bits)
 
     def scale(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H, D] -> fp16 scale [T, H]: absmax / qmax + eps, rounded to fp16."""
@@ -84,3 +88,32 @@ class SelectiveCodec:
         """All-in bits per value of a compressed token: the code (int4 packed two per byte) plus the
         fp16 scale shared by the head_dim values of one (token, head)."""
         return self.bits + 16 / head_dim
+
+
+class SelectiveQuantizer:
+    """A selective codec behind the serving quantizer interface (``KVQuantizer``'s encode / decode, what
+    the paged cache calls): whole blocks in, unsigned codes + fp16 scales out.  No calibration, no
+    normalization, no outliers; the recent window is the page layout's (``formats.KVFormat.window``)."""
+
+    outliers = False
+
+    def __init__(self, bits: int):
+        self.codec = SelectiveCodec(bits)
+
+    def encode(self, x: torch.Tensor):
+        from .quantizer import Encoded
+
+        q, s = self.codec.encode(x)
+        return Encoded((q.to(torch.int16) + (self.codec.qmax + 1)).to(torch.uint8), None, None, s)
+
+    def decode(self, enc, T: int, dtype: torch.dtype) -> torch.Tensor:
+        q = enc.codes[:T].to(torch.int16) - (self.codec.qmax + 1)
+        return self.codec.decode(q, enc.scales[:T], dtype)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.encode(x), x.shape[0], x.dtype)
+
+    def fake_quant(self, x: torch.Tensor, sinks: int = 8, window: int = 0) -> torch.Tensor:
+        from .quantizer import fake_quant
+
+        return fake_quant(self, x, sinks, window)

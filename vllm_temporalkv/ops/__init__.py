@@ -30,6 +30,11 @@ def select(lc, device) -> tuple[ModuleType, str]:
 
         if cpu.supports(lc):
             return cpu, f"C++ ({cpu.isa()})"
-        why = "extension not loaded" if not cpu.available() else "shape not supported by the C++ kernels"
+        if not cpu.available():
+            why = "extension not loaded"
+        elif lc.layout.window or lc.k.codec.layout.method not in cpu.METHOD_IDS:
+            why = "the C++ kernels serve codebook codes without a recent window"
+        else:
+            why = "shape not supported by the C++ kernels"
         return paged_torch, f"torch ({why})"
     return paged_torch, "torch"

@@ -195,7 +195,10 @@ def rope_tables(rope, n: int):
 def supports(lc, pages: torch.Tensor | None = None) -> bool:
     """Whether the kernels handle this layer cache (else: the torch path)."""
     D = lc.layout.head_dim
+    # codebook codes only, and the thesis's page (no recent window: the kernels read the tail from one page)
     return (available() and lc.dtype in (torch.bfloat16, torch.float16, torch.float32) and D % 32 == 0 and D <= 256
+            and lc.layout.window == 0 and lc.k.codec.layout.method in METHOD_IDS
+            and lc.v.codec.layout.method in METHOD_IDS
             and lc.k.outliers == lc.layout.outliers == lc.v.outliers
             and (pages is None or (pages.device.type == "cpu" and pages.dtype == torch.uint8
                                    and pages.is_contiguous())))

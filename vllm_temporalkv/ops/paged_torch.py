@@ -15,6 +15,9 @@ Cache contract (one layer; ``pages`` is ``[num_pages, H, layout.bytes]`` uint8, 
   on batching: the same as a token-by-token decode (and as the quality harness's causal protocol).
   A step must attend *before* it writes its tokens: writing can reuse tail slots that still
   hold the context's incomplete block.
+* with a recent window of W tokens (layout.window, e.g. the selective formats) a block is encoded only once
+  the sequence reaches W tokens past it: tokens wait in ring slot 8 + p % (W + 8) of their own page, and a
+  query at position i sees exactly every key from ``layout.exact_from(i, W)`` on (write_kv_window).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 
 from ..codecs.quantizer import Encoded, KVQuantizer
 from ..formats import BLOCK_TOKENS, SINK_TOKENS, KVFormat
-from ..layout import TAIL_SLOT0, PageLayout, pack_block_codes, unpack_block_codes
+from ..layout import TAIL_SLOT0, PageLayout, exact_from, pack_block_codes, unpack_block_codes
 from ..rope import Rope
 
 
@@ -65,6 +68,8 @@ def _encode_blocks(lc: LayerCache, pages, page_ids, block_slots, k_pre, v, ) -> 
         enc = q.encode(x)
         codes = lay.codes_view(pages, kind)
         codes[page_ids, :, block_slots] = pack_block_codes(q.codec.layout, enc.codes)
+        if enc.scales is not None:  # [nb * 8, H] -> [nb, H, 8]
+            lay.scales_view(pages, kind)[page_ids, :, block_slots] = enc.scales.unflatten(0, (-1, BLOCK_TOKENS)).transpose(1, 2)
         if lay.outliers:
             idx, val = lay.outlier_views(pages, kind, lc.store_dtype)
             idx[page_ids, :, block_slots] = enc.outlier_idx
@@ -86,6 +91,8 @@ def write_kv(
     if key.shape[0] == 0:
         return
     lay = lc.layout
+    if lay.window:
+        raise ValueError("a page layout with a recent window is written by write_kv_window (it needs the block tables)")
     region = lay.region_view(pages, lc.store_dtype)
     pos = positions.long()
     pid = page_ids.long()
@@ -143,6 +150,46 @@ def _encode_completed(lc: LayerCache, pages, region, kh, vh, pos, pid, e) -> Non
 
 
 @torch.no_grad()
+def write_kv_window(lc: LayerCache, pages: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor) -> None:
+    """The cache update with a recent window (layout.window > 0), request by request: the blocks that leave
+    the window as the sequence grows from ctx to n tokens are encoded (rows from this step's input or from
+    the ring of their page, read before anything is written), then the tokens still inside it go to the
+    ring.  The older blocks may sit in earlier pages, hence the block tables."""
+    lay = lc.layout
+    region = lay.region_view(pages, lc.store_dtype)
+    kh, vh = key.to(lc.store_dtype), value.to(lc.store_dtype)  # as the region holds them
+    H, D = key.shape[1], key.shape[2]
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    B = lc.block_size
+    for r, n in enumerate(lens):
+        a, b = qsl[r], qsl[r + 1]
+        if b == a:
+            continue
+        ctx, bt = n - (b - a), block_tables[r].long()
+        lo, hi = exact_from(ctx, lay.window), exact_from(n, lay.window)
+        if hi > lo:
+            p = torch.arange(lo, hi, device=key.device)
+            new = p >= ctx
+            old = p[~new]
+            kb = torch.empty(hi - lo, H, D, dtype=lc.store_dtype, device=key.device)
+            vb = torch.empty_like(kb)
+            kb[new], vb[new] = kh[a + p[new] - ctx], vh[a + p[new] - ctx]
+            kb[~new] = region[bt[old // B], :, lay.ring_slot(old), 0]
+            vb[~new] = region[bt[old // B], :, lay.ring_slot(old), 1]
+            k_pre = lc.rope.invert(kb.to(lc.dtype), p).to(lc.dtype)
+            first = p[::BLOCK_TOKENS]
+            _encode_blocks(lc, pages, bt[first // B], (first % B) // BLOCK_TOKENS, k_pre, vb.to(lc.dtype))
+        p = torch.arange(ctx, n, device=key.device)
+        p = p[(p < SINK_TOKENS) | (p >= hi)]  # still exact after this step
+        i = a + p - ctx
+        sink = p < SINK_TOKENS
+        slot = torch.where(sink, p, lay.ring_slot(p))
+        pg = torch.where(sink, bt[0], bt[p // B])
+        region[pg, :, slot, 0], region[pg, :, slot, 1] = kh[i], vh[i]
+
+
+@torch.no_grad()
 def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n: int):
     """The first n cached tokens of one sequence -> (K post-RoPE, V), each [n, H, D] in lc.dtype."""
     lay = lc.layout
@@ -155,7 +202,8 @@ def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n:
         p0 = block_table[0]
         K[:ns] = region[p0, :, :ns, 0].transpose(0, 1)
         V[:ns] = region[p0, :, :ns, 1].transpose(0, 1)
-    full = n // BLOCK_TOKENS  # complete blocks, the first being the sinks
+    tail0 = exact_from(n, lay.window)  # the encoded blocks end here; the ring holds the rest
+    full = tail0 // BLOCK_TOKENS  # encoded blocks, the first being the sinks
     if full > 1:
         bpos = torch.arange(1, full, device=pages.device) * BLOCK_TOKENS
         pg = block_table[(bpos // lc.block_size).long()]
@@ -164,6 +212,8 @@ def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n:
         for kind, q, out in (("k", lc.k, K), ("v", lc.v, V)):
             packed = lay.codes_view(pages, kind)[pg, :, slot]  # [nblk, H, code_bytes]
             enc = Encoded(unpack_block_codes(q.codec.layout, packed, D), None, None)
+            if lay.scale_bytes:  # [nblk, H, 8] -> [nblk * 8, H]
+                enc.scales = lay.scales_view(pages, kind)[pg, :, slot].transpose(1, 2).reshape(T, H)
             if lay.outliers:
                 idx, val = lay.outlier_views(pages, kind, lc.store_dtype)
                 enc.outlier_idx, enc.outlier_val = idx[pg, :, slot], val[pg, :, slot]
@@ -171,12 +221,11 @@ def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n:
             if kind == "k":
                 x = lc.rope.apply(x, torch.arange(BLOCK_TOKENS, full * BLOCK_TOKENS, device=pages.device))
             out[BLOCK_TOKENS : full * BLOCK_TOKENS] = x.to(lc.dtype)
-    tail0 = max(full * BLOCK_TOKENS, SINK_TOKENS)
     if n > tail0:
-        pg = block_table[tail0 // lc.block_size]
-        r = n - tail0
-        K[tail0:] = region[pg, :, TAIL_SLOT0 : TAIL_SLOT0 + r, 0].transpose(0, 1)
-        V[tail0:] = region[pg, :, TAIL_SLOT0 : TAIL_SLOT0 + r, 1].transpose(0, 1)
+        p = torch.arange(tail0, n, device=pages.device)
+        pg, slot = block_table[(p // lc.block_size).long()], lay.ring_slot(p)
+        K[tail0:] = region[pg, :, slot, 0]
+        V[tail0:] = region[pg, :, slot, 1]
     return K, V
 
 
@@ -197,9 +246,9 @@ def _decoded_blocks(lc: LayerCache, K: torch.Tensor, V: torch.Tensor, lo: int, h
     return kq, vq
 
 
-def _attend(q, k_exact, v_exact, k_dec, v_dec, scale, offset, q_tile: int = 256):
+def _attend(q, k_exact, v_exact, k_dec, v_dec, scale, offset, window: int = 0, q_tile: int = 256):
     """q [Tq, Hq, D] at positions offset..; keys [Tk, Hkv, D] in two versions: query i uses the
-    exact ones of its own block and the decoded ones elsewhere; causal.
+    exact ones of its own block (and of the ``window`` tokens before it) and the decoded ones elsewhere; causal.
 
     Scores against the decoded keys everywhere, then the exact ones only over the band of own blocks
     (a few keys per query); queries in tiles so memory stays O(tile x Tk) at long contexts."""
@@ -218,12 +267,12 @@ def _attend(q, k_exact, v_exact, k_dec, v_dec, scale, offset, q_tile: int = 256)
         t1 = min(Tq, t0 + q_tile)
         qpos = offset + torch.arange(t0, t1, device=q.device)
         kend = offset + t1  # causal: no query of the tile sees past its last position
-        lo = (offset + t0) // BLOCK_TOKENS * BLOCK_TOKENS  # first key of the tile's first own block
+        lo = max(0, (offset + t0 - window) // BLOCK_TOKENS * BLOCK_TOKENS)  # the tile's first exact key
         qt = qg[:, :, t0:t1].reshape(Hkv, g * (t1 - t0), D)
         s = (qt @ kd[:, :kend].transpose(1, 2)).view(Hkv, g, t1 - t0, kend)
         band = (qt @ ke[:, lo:kend].transpose(1, 2)).view(Hkv, g, t1 - t0, kend - lo)
         kpos = torch.arange(lo, kend, device=q.device)
-        own = (qpos[:, None] // BLOCK_TOKENS) == (kpos[None, :] // BLOCK_TOKENS)
+        own = kpos[None, :] >= _window_start(qpos, window)[:, None]  # seen exactly (later keys: masked)
         s[..., lo:kend] = torch.where(own, band, s[..., lo:kend])
         s *= scale
         s[..., lo:kend].masked_fill_(kpos[None, :] > qpos[:, None], -math.inf)
@@ -251,14 +300,23 @@ def _query_rows(t: int) -> int:
     return -(-t // 256) * 256
 
 
+def _window_start(pos: torch.Tensor, window: int) -> torch.Tensor:
+    """First key a query at ``pos`` sees exactly: its own block's, ``window`` tokens earlier (0: all exact)."""
+    return ((pos - window) // BLOCK_TOKENS * BLOCK_TOKENS).clamp_min(0)
+
+
 @functools.lru_cache(maxsize=16)  # the layers of a step share them
-def _before_own_block(offset: int, tq: int, rows: int, keys: int, device: str) -> torch.Tensor:
-    """[rows, keys] additive mask: query row t (position offset + t) sees the keys before its own block of
-    BLOCK_TOKENS; the padding rows see key 0 (their output is dropped)."""
+def _band_mask(offset: int, tq: int, rows: int, k0: int, keys: int, window: int, exact: bool,
+               device: str) -> torch.Tensor:
+    """[rows, keys] additive mask over keys k0..k0+keys: query row t (position offset + t) sees the keys
+    before its exact window (``exact`` False; window 0: before its own block) or the keys from the window's
+    start up to itself (``exact`` True); the padding rows see key k0 (their output is dropped)."""
     pos = offset + torch.arange(rows, device=device)
-    lo = torch.where(pos < offset + tq, pos // BLOCK_TOKENS * BLOCK_TOKENS, 1)
-    return torch.zeros(rows, keys, device=device).masked_fill_(torch.arange(keys, device=device)[None, :] >= lo[:, None],
-                                                               -math.inf)
+    lo = _window_start(pos, window)
+    kpos = k0 + torch.arange(keys, device=device)[None, :]
+    see = (kpos >= lo[:, None]) & (kpos <= pos[:, None]) if exact else kpos < lo[:, None]
+    see = torch.where((pos < offset + tq)[:, None], see, kpos == k0)
+    return torch.zeros(rows, keys, device=device).masked_fill_(~see, -math.inf)
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -266,44 +324,55 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[1])) if rows > t.shape[1] else t
 
 
-def _flash_before_own_block(qh, kd, vd, scale: float, offset: int):
-    """Queries qh [H, Tq, D] at positions offset.. over the keys kd / vd [H, >= offset + Tq, D] before each
-    query's own block: (o, lse); lse = -inf and o = 0 for the queries of block 0, which see none."""
+def _flash_band(qh, kk, vv, scale: float, offset: int, window: int = 0, exact: bool = False):
+    """Queries qh [H, Tq, D] at positions offset.. over the keys kk / vv [H, >= offset + Tq, D] that each
+    query sees decoded (``exact`` False: those before its window, ``_window_start``) or exactly (True: the
+    window up to itself): (o, lse); lse = -inf and o = 0 for queries that see none."""
     H, tq, D = qh.shape
-    n = kd.shape[1]
+    n = kk.shape[1]
     op = _CPU_FLASH
     if op is not None and qh.device.type == "cpu":
         # fused, shaped to whole blocks (see _KV_BLOCK), queries in groups of _KV_BLOCK positions aligned to
         # position 0, each over the key blocks it can see: causal work, not Tq x n (key blocks a row cannot
-        # see would add exact zeros, so leaving them out rounds nothing differently)
+        # see add exact zeros, so leaving them out rounds nothing differently)
         o = qh.new_empty(H, tq, D)
         lse = qh.new_empty(H, tq)
         a = offset
         while a < offset + tq:
             b = min((a // _KV_BLOCK + 1) * _KV_BLOCK, offset + tq)
             rows = _query_rows(b - a)
-            keys = -(-min(b, n) // _KV_BLOCK) * _KV_BLOCK
-            mask = _before_own_block(a, b - a, rows, keys, "cpu")
-            og, lg = op(_pad_rows(qh[:, a - offset:b - offset], rows)[None], _pad_rows(kd[:, :keys], keys)[None],
-                        _pad_rows(vd[:, :keys], keys)[None], attn_mask=mask[None, None], scale=scale)[:2]
+            k0 = int(_window_start(torch.tensor(a), window)) // _KV_BLOCK * _KV_BLOCK if exact else 0
+            keys = -(-min(b, n) // _KV_BLOCK) * _KV_BLOCK - k0
+            mask = _band_mask(a, b - a, rows, k0, keys, window, exact, "cpu")
+            og, lg = op(_pad_rows(qh[:, a - offset:b - offset], rows)[None], _pad_rows(kk[:, k0:k0 + keys], keys)[None],
+                        _pad_rows(vv[:, k0:k0 + keys], keys)[None], attn_mask=mask[None, None], scale=scale)[:2]
             o[:, a - offset:b - offset], lse[:, a - offset:b - offset] = og[0, :, :b - a], lg[0, :, :b - a]
             a = b
     else:  # plain matmuls
-        s = (qh @ kd.transpose(1, 2)).mul_(scale) + _before_own_block(offset, tq, tq, n, str(qh.device))
+        s = (qh @ kk.transpose(1, 2)).mul_(scale) + _band_mask(offset, tq, tq, 0, n, window, exact, str(qh.device))
         lse = torch.logsumexp(s, -1)
-        o = torch.softmax(s, -1) @ vd
-    blind = offset + torch.arange(tq, device=qh.device) < BLOCK_TOKENS  # block 0: nothing before it
-    if bool(blind.any()):
-        lse = lse.masked_fill(blind, -math.inf)
-        o = o.masked_fill(blind[:, None], 0.0)
+        o = torch.softmax(s, -1) @ vv
+    if not exact:
+        blind = _window_start(offset + torch.arange(tq, device=qh.device), window) == 0  # nothing decoded
+        if bool(blind.any()):
+            lse = lse.masked_fill(blind, -math.inf)
+            o = o.masked_fill(blind[:, None], 0.0)
     return o, lse
 
 
-def _attend_fast(q, k_exact, v_exact, k_dec, v_dec, scale, offset):
+def _merge(o1, lse1, o2, lse2):
+    """Two attention passes over disjoint keys, merged by their log-sum-exps (lse2 finite everywhere)."""
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = (lse1 - m).exp()[..., None], (lse2 - m).exp()[..., None]
+    return (w1 * o1 + w2 * o2) / (w1 + w2)
+
+
+def _attend_fast(q, k_exact, v_exact, k_dec, v_dec, scale, offset, window: int = 0):
     """What _attend computes, in float32 (the serving default): fused flash passes of every query over the
-    decoded keys before its own block (_flash_before_own_block), then its own block's exact keys up to itself (at most 8) merged in
-    through the log-sum-exp.  ~10x faster than _attend.  On the CPU a query's result is bit for bit the same
-    however its prompt was chunked: the keys it sees are the same, and each part is rounded the same way."""
+    decoded keys before its own block (_flash_band), then its own block's exact keys up to itself (at most 8)
+    merged in through the log-sum-exp (with a recent window: a second flash pass over the window's exact keys).
+    ~10x faster than _attend.  On the CPU a query's result is bit for bit the same however its prompt was
+    chunked: the keys it sees are the same, and each part is rounded the same way."""
     Tq, Hq, D = q.shape
     Hkv = k_exact.shape[1]
     g = Hq // Hkv
@@ -316,8 +385,11 @@ def _attend_fast(q, k_exact, v_exact, k_dec, v_dec, scale, offset):
         return t.to(f).transpose(0, 1).repeat_interleave(g, 0)
 
     # the decoded keys before the last query's own block (none: all queries in block 0, one dummy key)
-    kend = max((n - 1) // BLOCK_TOKENS * BLOCK_TOKENS, 1)
-    o, lse = _flash_before_own_block(qh, heads(k_dec[:kend]), heads(v_dec[:kend]), scale, offset)
+    kend = max(int(_window_start(torch.tensor(n - 1), window)), 1)
+    o, lse = _flash_band(qh, heads(k_dec[:kend]), heads(v_dec[:kend]), scale, offset, window)
+    if window:
+        oe, lsee = _flash_band(qh, heads(k_exact[:n]), heads(v_exact[:n]), scale, offset, window, exact=True)
+        return _merge(o, lse, oe, lsee).transpose(0, 1)
     # own blocks: queries padded to whole blocks from p0, the first key of the first query's block
     p0 = offset // BLOCK_TOKENS * BLOCK_TOKENS
     front = offset - p0
@@ -388,15 +460,16 @@ def paged_attention(
         kc, vc = gather(lc, pages, block_tables[r], ctx)  # decoded blocks + exact tail
         K = torch.cat([kc, lc.exact(key[a:b])])
         V = torch.cat([vc, lc.exact(value[a:b])])
-        # blocks this step completes (the context's tail block included) also in decoded form
-        lo = max(SINK_TOKENS, ctx // BLOCK_TOKENS * BLOCK_TOKENS)
-        hi = n // BLOCK_TOKENS * BLOCK_TOKENS
+        # blocks that leave the window during this step (the context's tail block included) also in
+        # decoded form: what the step's later queries see of them
+        W = lc.layout.window
+        lo, hi = exact_from(ctx, W), exact_from(n - 1, W) if W else n // BLOCK_TOKENS * BLOCK_TOKENS
         Kd, Vd = K, V
         if hi > lo:
             Kd, Vd = K.clone(), V.clone()
             Kd[lo:hi], Vd[lo:hi] = _decoded_blocks(lc, K, V, lo, hi)
         attend = _attend if batch_invariant else _attend_fast
-        out[a:b] = attend(query[a:b], K, V, Kd, Vd, scale, ctx).to(out.dtype)
+        out[a:b] = attend(query[a:b], K, V, Kd, Vd, scale, ctx, W).to(out.dtype)
     return out
 
 
@@ -404,8 +477,11 @@ def paged_attention(
 def forward(lc: LayerCache, pages, query, key, value, query_start_loc, seq_lens, block_tables, positions, page_ids,
             scale: float, out: torch.Tensor | None = None, batch_invariant: bool = True) -> torch.Tensor:
     """One layer's step as the backend runs it: attention (``paged_attention``), then the cache update
-    (``write_kv``) - in that order, as the cache contract requires."""
+    (``write_kv``, or ``write_kv_window`` with a recent window) - in that order, as the cache contract requires."""
     out = paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out,
                           batch_invariant)
-    write_kv(lc, pages, key, value, positions, page_ids)
+    if lc.layout.window:
+        write_kv_window(lc, pages, key, value, query_start_loc, seq_lens, block_tables)
+    else:
+        write_kv(lc, pages, key, value, positions, page_ids)
     return out

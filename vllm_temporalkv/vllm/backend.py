@@ -35,6 +35,7 @@ from vllm.v1.attention.backend import (
 )
 
 from .. import ops
+from ..codecs import calibration_free_quantizers
 from ..formats import BLOCK_TOKENS, FORMATS, FormatError, check_head_dim, get_format
 from ..layout import PageLayout
 from ..ops import paged_torch
@@ -114,8 +115,8 @@ class TemporalKVBackend(AttentionBackend):
             raise TemporalKVConfigError("the vllm-temporalkv backend was asked for a KV spec before any layer was built")
         if len(_SERVING) > 1:
             raise TemporalKVConfigError(f"one process serves one vllm-temporalkv format, got {sorted(_SERVING)}")
-        fmt_name, outliers = next(iter(_SERVING))
-        layout = PageLayout(get_format(fmt_name), spec.head_size, spec.block_size, outliers)
+        fmt_name, outliers, window = next(iter(_SERVING))
+        layout = PageLayout(get_format(fmt_name), spec.head_size, spec.block_size, outliers, window)
         return compat.customize_spec(spec, block_size=spec.block_size, record_bytes=layout.bytes,
                                      num_heads=spec.num_kv_heads)
 
@@ -152,7 +153,7 @@ class TemporalKVMetadataBuilder(AttentionMetadataBuilder[TemporalKVMetadata]):
         return TemporalKVMetadata(n, qsl, seq, bt, positions.to(bt.device), page_ids)
 
 
-_SERVING: set[tuple[str, bool]] = set()  # (format, outliers) this process serves; for customize_spec
+_SERVING: set[tuple[str, bool, int]] = set()  # (format, outliers, window) this process serves; for customize_spec
 _LOGGED_PATHS: set[str] = set()
 
 
@@ -179,11 +180,12 @@ class TemporalKVImpl(AttentionImpl):
         # everything later steps need, captured while the config is current (forward runs without)
         self._batch_invariant = opts["batch_invariant"]
         self._outliers = opts["outliers"]
+        self._window = opts["window"]
         self._block_size = cfg.cache_config.block_size
         self._dtype = cfg.model_config.dtype
         self._hf_config = cfg.model_config.hf_config
-        self._artifact = load_artifact(cfg)  # immutable, cached per (path, model) in the process
-        _SERVING.add((kv_cache_dtype, self._outliers))
+        self._artifact = load_artifact(cfg)  # immutable, cached per (path, model) in the process; None: not needed
+        _SERVING.add((kv_cache_dtype, self._outliers, self._window))
         self._lc: paged_torch.LayerCache | None = None  # this layer's codebooks and page layout
 
     def _layer_cache(self, layer, device) -> paged_torch.LayerCache:
@@ -192,10 +194,13 @@ class TemporalKVImpl(AttentionImpl):
             index = compat.layer_index(layer)
             fmt = get_format(self.kv_cache_dtype)
             # a tensor-parallel rank holds some of the KV heads: their codebooks, not the first ones
-            heads = compat.local_kv_heads(self._artifact.fingerprint["num_kv_heads"], self.num_kv_heads)
-            kq, vq = self._artifact.layer_quantizers(fmt.name, index, outliers=self._outliers, heads=heads,
-                                                     device=device)
-            layout = PageLayout(fmt, self.head_size, self._block_size, self._outliers)
+            if self._artifact is None:
+                kq, vq = calibration_free_quantizers(fmt)
+            else:
+                heads = compat.local_kv_heads(self._artifact.fingerprint["num_kv_heads"], self.num_kv_heads)
+                kq, vq = self._artifact.layer_quantizers(fmt.name, index, outliers=self._outliers, heads=heads,
+                                                         device=device)
+            layout = PageLayout(fmt, self.head_size, self._block_size, self._outliers, self._window)
             self._lc = paged_torch.LayerCache(fmt, layout, kq, vq, Rope(self._hf_config, device), self._dtype)
             self._ops, path = ops.select(self._lc, device)
             if self._batch_invariant:

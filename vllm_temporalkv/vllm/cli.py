@@ -235,7 +235,7 @@ def plan_serve(args: list[str], *, parser=None, environ=None, cuda: bool | None 
     plan.kv_cache_dtype = ns.kv_cache_dtype or (DEFAULT_FORMAT if plan.default_model and model is None else "auto")
     extra = ns.additional_config if isinstance(ns.additional_config, dict) else {}
     plan.explicit_artifact = extra.get("temporalkv_artifact") or environ.get(ENV_ARTIFACT) or None
-    if plan.kv_cache_dtype not in FORMATS:
+    if plan.kv_cache_dtype not in FORMATS or not FORMATS[plan.kv_cache_dtype].needs_calibration:
         plan.auto_calibrate = False
     return plan
 
@@ -271,9 +271,10 @@ class Decision:
 
 
 def _ours(fmt) -> bool:
+    """A format served from a calibration artifact."""
     from ..formats import FORMATS
 
-    return fmt in FORMATS
+    return fmt in FORMATS and FORMATS[fmt].needs_calibration
 
 
 def decide_calibration(plan: ServePlan) -> Decision:
@@ -426,8 +427,6 @@ def _set_target_device() -> None:
 
 def prepare_serve(args: list[str]) -> list[str]:
     """Everything `serve` does before vLLM: -> the arguments for vLLM's `serve`."""
-    from ..formats import FORMATS
-
     try:
         plan = plan_serve(args)
     except UsageError:
@@ -452,7 +451,7 @@ def prepare_serve(args: list[str]) -> list[str]:
         c = decision.artifact.calibration
         say(f"{decision.reason}; calibrated on {c.get('num_samples')} x {c.get('seq_len')} tokens - "
             "not recalibrating")
-    elif plan.kv_cache_dtype in FORMATS:
+    elif _ours(plan.kv_cache_dtype):
         say(f"no calibration here: {decision.reason}")
     return plan.args + plan.tuned_args
 

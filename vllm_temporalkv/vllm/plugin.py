@@ -10,6 +10,11 @@ Serving options (``--additional-config`` JSON or environment):
                                                       outputs independent of chunking and batching
                                                       (float64 attention on the CPU, ~5x slower;
                                                       default: vLLM's VLLM_BATCH_INVARIANT)
+    temporalkv_recent_window / VLLM_TEMPORALKV_RECENT_WINDOW
+                                                      the newest tokens kept in half precision, a
+                                                      multiple of 8 (default: the format's - 0 for the
+                                                      codebook formats, 128 for selective-int8/int4)
+Formats that need no calibration (selective-int8 / -int4) ignore the artifact.
 An unknown ``temporalkv_*`` key or a value that is not a boolean stops the server with the option's name.
 """
 
@@ -22,7 +27,7 @@ import os
 from pathlib import Path
 
 from ..artifact import ENV_ARTIFACT, Artifact, ArtifactError, default_artifact_path, model_fingerprint
-from ..formats import FORMATS, get_format
+from ..formats import FORMATS, FormatError, check_window, get_format
 
 logger = logging.getLogger("vllm.temporalkv")  # under vLLM's logger, so its handlers print it
 
@@ -30,6 +35,7 @@ BACKEND_PATH = "vllm_temporalkv.vllm.backend.TemporalKVBackend"
 DEFAULT_BLOCK_SIZE = 1024  # large pages amortize the 16 half-precision tokens each page keeps
 ENV_OUTLIERS = "VLLM_TEMPORALKV_OUTLIERS"
 ENV_BATCH_INVARIANT = "VLLM_TEMPORALKV_BATCH_INVARIANT"
+ENV_WINDOW = "VLLM_TEMPORALKV_RECENT_WINDOW"
 
 
 class TemporalKVConfigError(ValueError):
@@ -55,7 +61,8 @@ def is_ours(kv_cache_dtype) -> bool:
 # configuration
 
 
-OPTIONS = ("temporalkv_artifact", "temporalkv_outliers", "temporalkv_batch_invariant")  # --additional-config keys
+OPTIONS = ("temporalkv_artifact", "temporalkv_outliers", "temporalkv_batch_invariant",
+           "temporalkv_recent_window")  # --additional-config keys
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -85,10 +92,13 @@ def serving_options(vllm_config) -> dict:
         raise TemporalKVConfigError(f"--additional-config: unknown option(s) {', '.join(unknown)}; the plugin's "
                                     f"options are {', '.join(OPTIONS)}")
     model = vllm_config.model_config.model
+    fmt = get_format(vllm_config.cache_config.cache_dtype)
     path = extra.get("temporalkv_artifact") or os.environ.get(ENV_ARTIFACT)
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise TemporalKVConfigError(f"--additional-config temporalkv_artifact={path!r}: expected a file path (a string)")
-    if not path:
+    if not fmt.needs_calibration:
+        path = None
+    elif not path:
         if not Path(model).is_dir():
             raise TemporalKVConfigError(
                 f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype} needs a calibration artifact, and "
@@ -97,10 +107,18 @@ def serving_options(vllm_config) -> dict:
             )
         path = str(default_artifact_path(model))
     outliers = _flag(*_option(extra, "temporalkv_outliers", ENV_OUTLIERS, "0"))
+    if outliers and not fmt.needs_calibration:
+        raise TemporalKVConfigError(f"temporalkv_outliers: {fmt.name} keeps no outliers (its scales are per token); "
+                                    "drop the option")
     invariant = _flag(*_option(extra, "temporalkv_batch_invariant", ENV_BATCH_INVARIANT,
                                os.environ.get("VLLM_BATCH_INVARIANT", "0")))
-    return {"format": vllm_config.cache_config.cache_dtype, "artifact": path, "outliers": outliers,
-            "batch_invariant": invariant, "model": model}
+    value, where = _option(extra, "temporalkv_recent_window", ENV_WINDOW, str(fmt.window))
+    try:
+        window = check_window(value, vllm_config.cache_config.block_size, where)
+    except FormatError as e:
+        raise TemporalKVConfigError(str(e)) from None
+    return {"format": fmt.name, "artifact": path, "outliers": outliers, "batch_invariant": invariant,
+            "window": window, "model": model}
 
 
 @functools.lru_cache(maxsize=4)
@@ -108,9 +126,12 @@ def _load(path: str, fingerprint_json: str, fmt: str, model: str) -> Artifact:
     return Artifact.load(path, expect=json.loads(fingerprint_json), formats=[fmt], model_hint=model)
 
 
-def load_artifact(vllm_config) -> Artifact:
-    """The artifact for this server, checked against the model (cached per process)."""
+def load_artifact(vllm_config) -> Artifact | None:
+    """The artifact for this server, checked against the model (cached per process); None for a format
+    that needs no calibration."""
     opts = serving_options(vllm_config)
+    if opts["artifact"] is None:
+        return None
     fp = json.dumps(model_fingerprint(vllm_config.model_config.hf_config), sort_keys=True)
     return _load(opts["artifact"], fp, opts["format"], opts["model"])
 
@@ -167,6 +188,10 @@ def _on_config(vllm_config) -> None:
         cc.block_size = DEFAULT_BLOCK_SIZE
     _check_model(vllm_config)  # after the block size is final
     art = load_artifact(vllm_config)
+    if art is None:
+        logger.info("%s: no calibration needed (recent window %d tokens)", cc.cache_dtype,
+                    serving_options(vllm_config)["window"])
+        return
     logger.info("%s: calibration artifact %s (calibrated on %s, %s x %s tokens)", cc.cache_dtype, art.path,
                 art.calibration.get("data"), art.calibration.get("num_samples"), art.calibration.get("seq_len"))
 
