@@ -16,7 +16,8 @@ benchmarks/quality_seeds.py, thesis protocol), and the ablations: Fisher vs unwe
 compressed (``@sinks-compressed``), pure temporal chunking instead of the hybrid
 (``@pure-temporal``), only the keys or only the values compressed (``@keys-only``, ``@values-only``: where
 a format's loss comes from), and a recent window of N half-precision tokens (``@windowN``, the serving option
-``temporalkv_recent_window``; its tokens are counted in the bits).  Results go to benchmarks/results/quality.{json,md} and PNG plots; each
+``temporalkv_recent_window``; its tokens are counted in the bits).  ``--formats`` also takes any of these by name
+(``temporalkv-2bit@window32``; with ``--no-ablations``, only those).  Results go to benchmarks/results/quality.{json,md} and PNG plots; each
 configuration is saved as soon as it is done, and a rerun with the same settings skips it.
 """
 
@@ -213,7 +214,10 @@ def run(args) -> dict:
 
     fp = model_fingerprint(model.config)
     wanted = list(dict.fromkeys(args.formats or [*FORMATS, *SEED_CONFIGS]))
+    named = [f for f in wanted if "@" in f]  # ablations asked for by name, e.g. temporalkv-2bit@window32
+    wanted = [f for f in wanted if "@" not in f]
     bad = [f for f in wanted if f not in FORMATS and not is_seed_config(f)]
+    bad += [f for f in named if parse_config(f)[0] not in FORMATS]
     if bad:
         raise SystemExit(f"unknown --formats {bad}; known: {', '.join([*FORMATS, *SEED_CONFIGS])}")
     seeds = tuple(f for f in wanted if is_seed_config(f))
@@ -228,7 +232,7 @@ def run(args) -> dict:
         prev = json.loads(out_json.read_text())
     # the artifact only where a format asks for one: the seed methods need no calibration
     free = [f for f in wanted if f in FORMATS and not get_format(f).needs_calibration]
-    need_art = any(f in FORMATS and get_format(f).needs_calibration for f in wanted)
+    need_art = any(f in FORMATS and get_format(f).needs_calibration for f in wanted + [parse_config(n)[0] for n in named])
     if need_art:
         art = Artifact.load(art_path, expect=fp, model_hint=args.model)
         calibration, formats = art.calibration, [f for f in wanted if f in art.formats] + free
@@ -237,6 +241,7 @@ def run(args) -> dict:
         calibration = prev.get("settings", {}).get("artifact_calibration")
     unweighted = Artifact.load(args.ablation_artifact, expect=fp) if args.ablation_artifact else None
     names = config_names(formats, not args.no_ablations and need_art, unweighted is not None, seeds)
+    names += [n for n in named if n not in names]
     windows = token_windows(tok, load_corpus(args.data), args.seq_len, args.windows)
 
     settings = dict(protocol=args.protocol, data=args.data, windows=args.windows, seq_len=args.seq_len, model=str(args.model or "smollm2"),

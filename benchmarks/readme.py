@@ -9,6 +9,8 @@ import json
 import re
 from pathlib import Path
 
+from vllm_temporalkv.formats import FORMATS
+
 from .common import HEADLINE
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -85,7 +87,9 @@ def capacity_table(h: dict) -> list[str]:
                 f"`--kv-cache-dtype auto`; details in [benchmarks/results/capacity.md](benchmarks/results/capacity.md))",
                 "", "| bits | " + " | ".join(f"{m} | {m} +1% outliers" for m in METHODS) + " |",
                 "|---|" + "---|" * (2 * len(METHODS))]
-        others = [f"{n} {_fmt(v)}×" for n, v in sorted(r.items()) if not any(n.startswith(m + "-") for m in METHODS)]
+        ours = [n for n in r if not any(n.startswith(m + "-") for m in METHODS)]
+        seeds = [f"{n} {_fmt(r[n])}×" for n in sorted(ours) if n in FORMATS]  # served here, not by vLLM
+        others = [f"{n} {_fmt(r[n])}×" for n in sorted(ours) if n not in FORMATS]
         for bits in (4, 2, 1):
             cells = []
             for m in METHODS:
@@ -93,6 +97,9 @@ def capacity_table(h: dict) -> list[str]:
             out.append(f"| {bits} | " + " | ".join(cells) + " |")
         if others:
             out += ["", "vLLM's own formats: " + ", ".join(others)]
+        if seeds:
+            out += ["", "Seed methods this plugin serves (their recent window of 128 half-precision tokens in every "
+                        "page): " + ", ".join(seeds)]
         out.append("")
     return out
 
