@@ -13,6 +13,8 @@ constexpr int TAIL0 = 8;   // first tail slot of the region (layout.TAIL_SLOT0)
 constexpr int TILE = 32;   // tokens per decode tile (multiple of BLOCK)
 constexpr int MAX_D = 256;
 
+// the code paths, chosen in Python from the code layout's geometry (layout.CodeLayout.kernel_variant):
+// a vector along tokens, a vector along channels, one value with a codebook per channel
 enum Method : int { TEMPORAL = 0, CHANNEL = 1, SCALAR = 2 };
 
 // One (layer, K-or-V) quantizer and where its bytes sit inside a (page, head) record.

@@ -77,3 +77,16 @@ def test_rope_matches_transformers(rope):
     r = Rope(cfg)
     assert torch.allclose(r.apply(k, pos), ref[0].transpose(0, 1), atol=1e-5)
     assert torch.allclose(r.invert(r.apply(k, pos), pos), k, atol=1e-5)
+
+
+def test_kernel_variant_follows_the_geometry():
+    """The C++ and Triton kernels pick their code path from a CodeLayout's geometry, not from a method's name:
+    a new method laid out like an existing one runs on the same kernels; scaled integer codes run on none."""
+    from vllm_temporalkv.layout import CodeLayout
+
+    assert CodeLayout("new-token-vq", 4, 1, 4, 256).kernel_variant == get_format("temporalkv-2bit").code_layout.kernel_variant
+    assert CodeLayout("new-channel-vq", 1, 2, 2, 256).kernel_variant == get_format("channelkv-4bit").code_layout.kernel_variant
+    assert CodeLayout("new-scalar", 1, 1, 1, 4).kernel_variant == get_format("kvquant-2bit").code_layout.kernel_variant
+    assert len({get_format(f).code_layout.kernel_variant for f in ("temporalkv-1bit", "channelkv-1bit", "kvquant-1bit")}) == 3
+    assert get_format("selective-int8").code_layout.kernel_variant is None
+    assert CodeLayout("tokens-sharing-wider-groups", 2, 1, 8, 256).kernel_variant is None  # no kernel for it

@@ -58,6 +58,9 @@ def bits_per_float(fmt: KVFormat, head_dim: int, context: int, outliers: bool = 
 # ``group_channels`` adjacent channels: column c uses group c * vec_channels // group_channels.
 
 
+KERNEL_TOKEN_VECTOR, KERNEL_CHANNEL_VECTOR, KERNEL_SCALAR = 0, 1, 2  # the kernels' code paths (csrc/common.h)
+
+
 @dataclasses.dataclass(frozen=True)
 class CodeLayout:
     method: str
@@ -91,6 +94,21 @@ class CodeLayout:
     def block_bytes(self, head_dim: int) -> int:
         """Code bytes of one block of BLOCK_TOKENS tokens of one KV head."""
         return self.rows * self.cols(head_dim) * self.code_bits // 8
+
+    @property
+    def kernel_variant(self) -> int | None:
+        """Which code path of the C++ and Triton kernels decodes these codes, from the geometry alone:
+        0 = a vector along tokens (one channel), 1 = a vector along channels (one token), 2 = one value with a
+        codebook per channel; None = no kernel (scaled integer codes: the torch path)."""
+        if self.row_scales:
+            return None
+        if self.vec_tokens > 1 and self.vec_channels == 1 and self.group_channels == self.vec_tokens:
+            return KERNEL_TOKEN_VECTOR
+        if self.vec_tokens == 1 and self.vec_channels > 1 and self.group_channels == self.vec_channels:
+            return KERNEL_CHANNEL_VECTOR
+        if self.vec_tokens == self.vec_channels == self.group_channels == 1:
+            return KERNEL_SCALAR
+        return None
 
     def scale_bytes(self) -> int:
         """Scale bytes of one block of one KV head (fp16, one per code row)."""

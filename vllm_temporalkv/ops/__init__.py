@@ -32,7 +32,7 @@ def select(lc, device) -> tuple[ModuleType, str]:
             return cpu, f"C++ ({cpu.isa()})"
         if not cpu.available():
             why = "extension not loaded"
-        elif lc.layout.window or lc.k.codec.layout.method not in cpu.METHOD_IDS:
+        elif lc.layout.window or lc.k.codec.layout.kernel_variant is None:
             why = "the C++ kernels serve codebook codes without a recent window"
         else:
             why = "shape not supported by the C++ kernels"

@@ -40,11 +40,10 @@ import torch
 
 from . import paged_torch
 from ..formats import BLOCK_TOKENS, SINK_TOKENS
-from ..layout import TAIL_SLOT0
+from ..layout import KERNEL_SCALAR, TAIL_SLOT0
 
 logger = logging.getLogger("vllm.temporalkv")
 
-METHOD_IDS = {"temporal": 0, "channel": 1, "scalar": 2}
 ABI_VERSION = 5  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
 # split-K: every request's context is cut at the same 8-tile (256-token) boundaries whatever the batch, so
 # its output does not depend on which requests share the step (a batch-dependent split count changed
@@ -137,9 +136,10 @@ def _codec_args(q, lay, kind: str):
         codec, s = q.codec, q.stats
         f32 = lambda t: t.detach().float().contiguous().cpu()  # noqa: E731
         cent = f32(codec._check_fitted())
-        scalar = codec.method == "scalar"
+        variant = codec.layout.kernel_variant  # from the code layout's geometry (layout.CodeLayout)
+        scalar = variant == KERNEL_SCALAR
         ints = [
-            METHOD_IDS[codec.method],
+            variant,
             1 if scalar else codec.chunk,
             (codec.n_centroids - 1).bit_length() if scalar else 8,
             codec.n_centroids,
@@ -197,8 +197,8 @@ def supports(lc, pages: torch.Tensor | None = None) -> bool:
     D = lc.layout.head_dim
     # codebook codes only, and the thesis's page (no recent window: the kernels read the tail from one page)
     return (available() and lc.dtype in (torch.bfloat16, torch.float16, torch.float32) and D % 32 == 0 and D <= 256
-            and lc.layout.window == 0 and lc.k.codec.layout.method in METHOD_IDS
-            and lc.v.codec.layout.method in METHOD_IDS
+            and lc.layout.window == 0 and lc.k.codec.layout.kernel_variant is not None
+            and lc.v.codec.layout.kernel_variant is not None
             and lc.k.outliers == lc.layout.outliers == lc.v.outliers
             and (pages is None or (pages.device.type == "cpu" and pages.dtype == torch.uint8
                                    and pages.is_contiguous())))

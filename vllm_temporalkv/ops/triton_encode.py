@@ -44,12 +44,12 @@ import triton
 import triton.language as tl
 
 from ..formats import BLOCK_TOKENS, SINK_TOKENS
-from ..layout import TAIL_SLOT0
+from ..layout import KERNEL_CHANNEL_VECTOR, KERNEL_SCALAR, KERNEL_TOKEN_VECTOR, TAIL_SLOT0
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-METHOD_IDS = {"temporal": 0, "channel": 1, "scalar": 2}
-TEMPORAL: tl.constexpr = tl.constexpr(0)
-CHANNEL: tl.constexpr = tl.constexpr(1)
+TEMPORAL: tl.constexpr = tl.constexpr(KERNEL_TOKEN_VECTOR)  # the code paths, by CodeLayout.kernel_variant
+CHANNEL: tl.constexpr = tl.constexpr(KERNEL_CHANNEL_VECTOR)
+SCALAR: tl.constexpr = tl.constexpr(KERNEL_SCALAR)
 BLOCK: tl.constexpr = tl.constexpr(BLOCK_TOKENS)
 SINKS: tl.constexpr = tl.constexpr(SINK_TOKENS)
 TAIL0: tl.constexpr = tl.constexpr(TAIL_SLOT0)
@@ -65,7 +65,7 @@ _ENCODE_TILE = 1 << 22 if INTERPRET else 4096
 class CodecParams:
     """One (layer, K-or-V) quantizer as kernel arguments."""
 
-    method: int  # METHOD_IDS[code layout method]: the kernels branch on the layout's geometry
+    method: int  # CodeLayout.kernel_variant: the kernels branch on the layout's geometry
     chunk: int  # floats per vector (1 for scalar)
     code_bits: int  # bits per code as packed in the page (8 for the vector methods)
     n_centroids: int
@@ -88,7 +88,7 @@ def codec_params(quantizer, device) -> CodecParams:
         cl = codec.layout  # layout.CodeLayout: the one description of the codes
         f32 = lambda t: t.float().contiguous().to(device)  # noqa: E731
         per[key] = CodecParams(
-            METHOD_IDS[cl.method],
+            cl.kernel_variant,
             cl.vec_dim,
             cl.code_bits,
             cl.n_centroids,
@@ -207,7 +207,7 @@ def _encode_kernel(
         tl.store(pages_h + (rec + val_off) // 2 + slot * CAP + j,
                  out_v.to(pages_h.dtype.element_ty), mask=j < CAP)
 
-    if METHOD == 2:  # scalar: one codebook of KC values per channel, CB channels per step
+    if METHOD == SCALAR:  # scalar: one codebook of KC values per channel, CB channels per step
         PER: tl.constexpr = 8 // BITS
         t = tl.arange(0, BLOCK)[:, None, None]
         k = tl.arange(0, KC)[None, None, :]
@@ -290,7 +290,7 @@ def _pow2_floor(x: int) -> int:
 def _encode_launch_args(prm: CodecParams, D: int) -> dict:
     """Step sizes: about _ENCODE_TILE distance terms per step."""
     step = _pow2_floor(_ENCODE_TILE // (BLOCK_TOKENS * prm.n_centroids))
-    if prm.method == 2:  # CB channels per step, whole bytes of packed codes
+    if prm.method == KERNEL_SCALAR:  # CB channels per step, whole bytes of packed codes
         return dict(GB=1, CB=min(D, max(8 // prm.code_bits, step)))
     return dict(GB=min(D // prm.chunk, step), CB=1)
 
