@@ -348,10 +348,12 @@ def write_markdown(report: dict, path: Path) -> None:
             lines.append(f"{n}: bits per layer {res[n]['layer_bits']} (searched on {res[n]['search_text']})")
     abl = [n for n in res if "@" in n]
     if abl:
-        lines += ["", "## Ablations (no outliers)", "", "| configuration | ppl | method as calibrated |", "|---|---|---|"]
+        lines += ["", "## Ablations (no outliers)", "", "| configuration | ppl | bits/float | method as calibrated |",
+                  "|---|---|---|---|"]
         for n in abl:
             base_name = n.split("@")[0]
-            lines.append(f"| {n} | {res[n]['ppl']:.3f} | {res[base_name]['ppl']:.3f} |" if base_name in res else f"| {n} | {res[n]['ppl']:.3f} | |")
+            base_ppl = f"{res[base_name]['ppl']:.3f}" if base_name in res else ""
+            lines.append(f"| {n} | {res[n]['ppl']:.3f} | {res[n]['bits']['total']:.3f} | {base_ppl} |")
     hyb = report.get("hybrid", {})
     if hyb:
         lines += ["", "## Hybrid: layers where channel chunking has the lower Fisher-weighted MSE", ""]

@@ -16,7 +16,7 @@ share of its reference strings found in the greedy answer (RULER's string match)
 
 The suite only talks to an OpenAI-compatible /v1/completions endpoint, so it scores any server (--url).
 The runner starts `vllm serve` (python -m vllm.entrypoints.openai.api_server) once per --kv-cache-dtype
-in turn. Results: retrieval.json / .md / .png in --out; with the default --out the headline figures
+in turn (``<format>-o1``: with 1% outliers; ``<format>@windowN``: with a recent window of N half-precision tokens). Results: retrieval.json / .md / .png in --out; with the default --out the headline figures
 ``retrieval.<name>.<format>.avg_accuracy`` (mean over tasks and lengths, 0-1) are merged into
 benchmarks/results/headline.json.
 """
@@ -364,13 +364,19 @@ def serve_and_score(model: str, fmt: str, samples: list[Sample], args) -> dict:
 
     from vllm_temporalkv.formats import FORMATS
 
-    # "<format>-o1": the plugin's format with 1% exact outliers (the artifact holds the thresholds)
-    dtype, outliers = (fmt[:-3], True) if fmt.endswith("-o1") and fmt[:-3] in FORMATS else (fmt, False)
+    # "<format>-o1": the plugin's format with 1% exact outliers (the artifact holds the thresholds);
+    # "<format>@windowN": with a recent window of N half-precision tokens (temporalkv_recent_window)
+    base, _, variant = fmt.partition("@")
+    dtype, outliers = (base[:-3], True) if base.endswith("-o1") and base[:-3] in FORMATS else (base, False)
     options = {}
     if args.artifact and dtype in FORMATS:
         options["temporalkv_artifact"] = str(args.artifact)
     if outliers:
         options["temporalkv_outliers"] = True
+    if re.fullmatch(r"window\d+", variant) and dtype in FORMATS:
+        options["temporalkv_recent_window"] = int(variant.removeprefix("window"))
+    elif variant:
+        raise SystemExit(f"{fmt}: unknown variant @{variant} (known: @windowN for the plugin's formats)")
     extra = ["--additional-config", json.dumps(options)] if options else []
     max_len = max(s.length for s in samples)
     s = VLLMServer(model, "--kv-cache-dtype", dtype, "--served-model-name", "model", "--dtype", args.dtype,
