@@ -400,7 +400,8 @@ def write_markdown(rep: dict, path: Path) -> None:
     res = rep["formats"]
     lengths = [str(n) for n in st["lengths"]]
     lines = [f"# Long-context retrieval through the server ({st['name']})", "",
-             f"Command: `{rep['run']['command']}`  ",
+             *[f"Command: `{c}`  " for c in dict.fromkeys(r.get("command", rep["run"]["command"])
+                                                          for r in rep["formats"].values())],
              f"Machine: {rep['run']['machine']['cpu']}, {rep['run']['time']}  ",
              f"{st['samples']} samples per task and length, seed {st['seed']}, greedy, --dtype "
              f"{st.get('dtype', 'bfloat16')}; haystacks from Jane Austen's "
@@ -542,7 +543,7 @@ def main(argv=None):
             if fmt in results:
                 continue
             try:
-                results[fmt] = serve_and_score(model, fmt, samples, args)
+                results[fmt] = {**serve_and_score(model, fmt, samples, args), "command": run_record()["command"]}
             except Exception as e:  # a refusing format is a result, not the end of the run
                 results[fmt] = {"error": f"{type(e).__name__}: {e}"[-600:]}
             r = results[fmt]
