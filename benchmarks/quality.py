@@ -9,8 +9,8 @@ chunk (the server instead keeps an incomplete chunk in half precision); see the 
     python -m benchmarks.quality --artifact A [--ablation-artifact B] [--windows 8] [--data brown]
 
 Configurations: ``bf16`` (the uncompressed KV cache: K/V rounded to bf16), every format with and
-without 1% outliers (``<format>-o1``; the calibration-free ``selective-int8`` / ``-int4`` with their recent window,
-as served), the seed methods not served yet (``tada-4bit``, ``tada-2bit``, ``tada-mixed-3bit``, ``qjl``:
+without 1% outliers (``<format>-o1``; the calibration-free ``selective-int8`` / ``-int4`` and ``tada-4bit`` /
+``-2bit`` with their recent window, as served), the seed configurations not served (``tada-mixed-3bit``, ``qjl``:
 benchmarks/quality_seeds.py, thesis protocol), and the ablations: Fisher vs unweighted k-means
 (``<format>@unweighted``, needs ``--ablation-artifact`` calibrated with ``--no-fisher``), sinks
 compressed (``@sinks-compressed``), pure temporal chunking instead of the hybrid
@@ -253,7 +253,7 @@ def run(args) -> dict:
             # configurations that use no artifact stay valid across calibrations
             res = {n: r for n, r in prev.get("configs", {}).items()
                    if prev["settings"].get("artifact_calibration") == calibration or artifact_free(n)}
-    todo = [n for n in names if n not in res]
+    todo = [n for n in names if n not in res or (args.rerun and args.formats and n in args.formats)]
     print(f"{len(names)} configurations, {len(todo)} to run, {args.windows} x {args.seq_len} tokens of {args.data}")
     for name in tqdm(todo, desc="configs", unit="config"):
         t0 = time.time()
@@ -275,8 +275,8 @@ def run(args) -> dict:
         else:
             sim = Simulator(name, art, unweighted, args.protocol)
             fmt, outliers, ablation = parse_config(name)
-            bits = (bits_per_float(get_format(fmt), fp["head_dim"], args.seq_len, outliers, window_of(fmt, ablation))
-                    if fmt else {"total": 16.0})
+            bits = (bits_per_float(get_format(fmt), fp["head_dim"], args.seq_len, outliers, window_of(fmt, ablation),
+                                   num_kv_heads=fp["num_kv_heads"]) if fmt else {"total": 16.0})
         nll, n = window_nll(model, windows, sim)
         res[name] = {"ppl": math.exp(nll / n), "nll": nll / n, "tokens": n, "seconds": round(time.time() - t0, 1),
                      "bits": bits, "command": run_record()["command"], **extra}
@@ -332,10 +332,10 @@ def write_markdown(report: dict, path: Path) -> None:
                 f"| {bits} | {f} | {res[f]['ppl']:.3f} | {o.get('ppl', float('nan')):.3f} | "
                 f"{res[f]['bits']['total']:.3f} | {o.get('bits', {}).get('total', float('nan')):.3f} | {cb:.2f} MiB |"
             )
-    seeds = [n for n in res if is_seed_config(n) or _family(n) == "selective"]
+    seeds = [n for n in res if is_seed_config(n) or (_family(n) in ("selective", "tada") and "@" not in n)]
     if seeds:
-        lines += ["", "## Seed methods: selective (served, no calibration), TaDA and QJL (simulated, "
-                  f"benchmarks/quality_seeds.py); all-in bits at {ctx} tokens, windows included", "",
+        lines += ["", "## Seed methods: selective and TaDA (served, no calibration), TaDA with per-layer bits and QJL "
+                  f"(simulated, benchmarks/quality_seeds.py); all-in bits at {ctx} tokens, windows included", "",
                   "| method | ppl | bits/float K | bits/float V | bits/float |", "|---|---|---|---|---|"]
         for n in sorted(seeds, key=lambda n: -res[n]["bits"]["total"]):
             b = res[n]["bits"]
@@ -464,6 +464,8 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--formats", nargs="+", default=None)
     p.add_argument("--no-ablations", action="store_true")
+    p.add_argument("--rerun", action="store_true", help="measure the --formats configurations again even where a "
+                   "saved result exists (after a change to how they are simulated)")
     p.add_argument("--protocol", choices=("thesis", "causal"), default="thesis",
                    help="thesis: every query sees decoded K/V; causal: a query's own block stays exact, "
                         "as in a decode step of the server")

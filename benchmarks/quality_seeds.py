@@ -1,5 +1,6 @@
-"""The seed methods not served yet - TaDA (seed 004), QJL (002) - in the quality harness's thesis protocol, on
-equal terms with the served formats (selective sink+recent quantization, seed 003, is served: a format).
+"""The seed configurations not served - TaDA with per-layer bits (seed 004), QJL (002) - in the quality harness's
+thesis protocol, on equal terms with the served formats (selective sink+recent quantization, seed 003, and TaDA
+at uniform bits are served: formats, simulated by the harness's format Simulator).
 
 As for the formats, every query sees the cache as it stands once the whole window has been written: what the
 method keeps exact at that point (sinks, recent window, residual buffer) stays exact, the rest is compressed
@@ -15,16 +16,24 @@ from __future__ import annotations
 
 import torch
 
+import dataclasses
+
 from vllm_temporalkv.codecs import qjl
-from vllm_temporalkv.codecs.tada import CANDIDATE_BITS, RESIDUAL_TOKENS, TadaCodec, search_layer_bits, tada_mask
+from vllm_temporalkv.codecs.tada import CANDIDATE_BITS, TadaQuantizer, search_layer_bits
+from vllm_temporalkv.formats import TADA_WINDOW, get_format
+from vllm_temporalkv.layout import bits_per_float
 
 # name -> (method, bits of the compressed values); QJL's bits follow from its sketch sizes
 SEED_CONFIGS: dict[str, tuple[str, int | None]] = {
-    "tada-4bit": ("tada", 4),
-    "tada-2bit": ("tada", 2),
     "tada-mixed-3bit": ("tada", 3),  # per-layer bits in {2, 4, 8}, 3 on average: the paper's search (layer_bits)
     "qjl": ("qjl", None),
 }
+
+
+def tada_format(bits: int):
+    """The served TaDA format's description at any deviation bits (tada-4bit / -2bit are the served ones)."""
+    return dataclasses.replace(get_format("tada-4bit"), name=f"tada-{bits}bit", bits_per_float=bits,
+                               n_centroids=2**bits)
 
 
 def is_seed_config(name: str) -> bool:
@@ -74,7 +83,7 @@ class SeedSimulator:
             if is_mixed(name) and layer_bits is None:
                 raise ValueError(f"{name} needs its per-layer bits (tada_layer_bits)")
             self.layer_bits = layer_bits or [bits] * self.layers
-            self.codecs = {b: TadaCodec(b) for b in set(self.layer_bits)}
+            self.codecs = {b: TadaQuantizer(b) for b in set(self.layer_bits)}
         else:
             self.rope = Rope(hf_config)
             # one S per sketch size, shared by every head and layer using it (official code)
@@ -89,7 +98,7 @@ class SeedSimulator:
     def _one(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
         """One sequence [T, H, D] of pre-RoPE keys or values -> what attention sees, float32."""
         if self.method == "tada":
-            return self.codecs[self.layer_bits[layer]].fake_quant(x, RESIDUAL_TOKENS).float()
+            return self.codecs[self.layer_bits[layer]].fake_quant(x, window=TADA_WINDOW).float()
         T = x.shape[0]
         out = x.float().clone()
         if kind == "v":
@@ -108,10 +117,9 @@ class SeedSimulator:
     def bits(self, seq_len: int) -> dict[str, float]:
         """All-in bits per float at seq_len tokens (module docstring); 'total' as for the formats."""
         D, H, T = self.head_dim, self.kv_heads, seq_len
-        if self.method == "tada":
-            n = int(tada_mask(T, RESIDUAL_TOKENS).sum())
-            per = sum(self.codecs[b].bits_per_float(D, H) for b in self.layer_bits) / self.layers
-            k = v = (n * per + (T - n) * 16) / T
+        if self.method == "tada":  # as the served formats count (sinks and the window in 16 bits)
+            k = v = sum(bits_per_float(tada_format(b), D, T, num_kv_heads=H)["total"]
+                        for b in self.layer_bits) / self.layers
         else:
             nk = int(qjl.qjl_recent_mask(T, qjl.WINDOW, block=True).sum())
             nv = int(qjl.qjl_recent_mask(T, qjl.WINDOW).sum())

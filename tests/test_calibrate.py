@@ -114,17 +114,18 @@ def test_quality_harness_seed_methods(smollm2_dir, tmp_path):
     model = load_hf_model(smollm2_dir)
     cfg = model.config
     sims = {n: SeedSimulator(n, cfg, torch.bfloat16) for n in SEED_CONFIGS if not is_mixed(n)}
-    sims.update({n: Simulator(n, None, None) for n in ("selective-int8", "selective-int4")})
+    served = ("selective-int8", "selective-int4", "tada-4bit", "tada-2bit")
+    sims.update({n: Simulator(n, None, None) for n in served})
     x = torch.randn(1, 300, 3, 64)
     xb = x.bfloat16().float()
     for n, sim in sims.items():
         for kind in "kv":
             y = sim(3, kind, x)
-            # 300 tokens: selective keeps 8 sinks + the last 128..135 (whole blocks: from 168), TaDA its residual
-            # buffer (300 - 256), QJL its key blocks of 128 (300 - 256) and 128 recent values
-            method = getattr(sim, "method", "selective")
-            exact = {"selective": torch.cat([torch.arange(8), torch.arange(168, 300)]),
-                     "tada": torch.arange(256, 300)}.get(method, torch.arange(256 if kind == "k" else 172, 300))
+            # 300 tokens: the served formats (selective, TaDA) keep 8 sinks + the last 128..135 (whole blocks: from
+            # 168), QJL its key blocks of 128 (300 - 256) and 128 recent values
+            method = getattr(sim, "method", "served")
+            exact = {"served": torch.cat([torch.arange(8), torch.arange(168, 300)])}.get(
+                method, torch.arange(256 if kind == "k" else 172, 300))
             assert torch.equal(y[0, exact], xb[0, exact]), (n, kind)
             comp = torch.ones(300, dtype=torch.bool)
             comp[exact] = False
@@ -146,7 +147,7 @@ def test_quality_harness_seed_methods(smollm2_dir, tmp_path):
     assert all(v > base for v in nll.values()), (nll, base)
     assert nll["selective-int4"] > nll["selective-int8"] and nll["tada-2bit"] > nll["tada-4bit"], nll
     bits = {n: s.bits(2048)["total"] for n, s in sims.items() if n in SEED_CONFIGS}
-    bits.update({n: bits_per_float(get_format(n), 64, 2048)["total"] for n in ("selective-int8", "selective-int4")})
+    bits.update({n: bits_per_float(get_format(n), 64, 2048, num_kv_heads=3)["total"] for n in served})
     assert bits["selective-int8"] > bits["selective-int4"] > 4 and bits["tada-4bit"] > bits["tada-2bit"], bits
 
 

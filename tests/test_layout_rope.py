@@ -12,22 +12,27 @@ from vllm_temporalkv.rope import Rope
 def test_pack_roundtrip_and_page_bytes(name):
     f = get_format(name)
     H, D = 3, 64
-    rows = {"temporal": 16 // f.chunk, "channel": 16, "scalar": 16, "selective": 16}[f.method]
-    width = {"temporal": D, "channel": D // f.chunk, "scalar": D, "selective": D}[f.method]
+    rows = {"temporal": 16 // f.chunk, "channel": 16}.get(f.method, 16)
+    width = {"channel": D // f.chunk}.get(f.method, D)
     codes = torch.randint(0, f.n_centroids, (rows, H, width), dtype=torch.uint8)
     packed = pack_block_codes(f.code_layout, codes)
-    lay = PageLayout(f, D, 128, window=0)
+    lay = PageLayout(f, D, 128, window=0, num_kv_heads=H)
     assert packed.shape == (2, H, lay.code_bytes)
     assert torch.equal(unpack_block_codes(f.code_layout, packed, D), codes)
-    # bytes per page: codes at the nominal rate (+ one fp16 scale per token for selective) + a fixed
-    # 16-token half-precision region
-    scales = 2 * 128 * 2 if f.method == "selective" else 0
-    assert lay.bytes == 16 * 2 * D * 2 + 2 * 128 * D * f.bits_per_float // 8 + scales
-    assert lay.ratio_vs_half() == pytest.approx(16 / (f.bits_per_float + 16 * 16 / 128 + scales * 8 / (2 * 128 * D)),
-                                                rel=1e-9)
+    # bytes per page: codes at the nominal rate, + fp16 parameters per token (selective: a scale; TaDA: a scale
+    # and a min) + TaDA's per-token head mean, this head's ceil(64 / 3) = 22 channels of it, + a fixed 16-token
+    # half-precision region
+    scales = 2 * 128 * 2 * {"selective": 1, "tada": 2}.get(f.method, 0)
+    mean = 2 * 128 * 22 * 2 if f.method == "tada" else 0
+    assert lay.bytes == 16 * 2 * D * 2 + 2 * 128 * D * f.bits_per_float // 8 + scales + mean
+    extra = (scales + mean) * 8 / (2 * 128 * D)
+    assert lay.ratio_vs_half() == pytest.approx(16 / (f.bits_per_float + 16 * 16 / 128 + extra), rel=1e-9)
+    assert bits_per_float(f, D, 10**9, window=0, num_kv_heads=H)["total"] == pytest.approx(f.bits_per_float + extra,
+                                                                                          rel=1e-6)
     # a recent window adds its tokens to every page's region
     if f.window:
-        assert PageLayout(f, D, 1024).bytes == PageLayout(f, D, 1024, window=0).bytes + f.window * 2 * D * 2
+        assert (PageLayout(f, D, 1024, num_kv_heads=H).bytes
+                == PageLayout(f, D, 1024, window=0, num_kv_heads=H).bytes + f.window * 2 * D * 2)
 
 
 def test_views_do_not_overlap():
@@ -90,3 +95,20 @@ def test_kernel_variant_follows_the_geometry():
     assert len({get_format(f).code_layout.kernel_variant for f in ("temporalkv-1bit", "channelkv-1bit", "kvquant-1bit")}) == 3
     assert get_format("selective-int8").code_layout.kernel_variant is None
     assert CodeLayout("tokens-sharing-wider-groups", 2, 1, 8, 256).kernel_variant is None  # no kernel for it
+
+
+@pytest.mark.parametrize("fmt,head_dim,phrase", [
+    ("temporalkv-2bit", 66, "does not divide head_dim=66"),
+    ("selective-int4", 63, "divisible by 2"),
+    ("tada-2bit", 66, "divisible by 4"),
+    ("tada-4bit", 192, "multiple of 128"),
+])
+def test_head_dims_a_format_cannot_serve_are_refused(fmt, head_dim, phrase):
+    """A model whose head size a format cannot lay out is refused with the reason (the backend's
+    supports_combination says the same to vLLM's selector); the sizes it can serve pass."""
+    from vllm_temporalkv.formats import FormatError, check_head_dim
+
+    with pytest.raises(FormatError, match=phrase):
+        check_head_dim(get_format(fmt), head_dim)
+    for ok in (64, 128, 256):
+        check_head_dim(get_format(fmt), ok)

@@ -26,14 +26,14 @@ def make_cache(fmt, window, dtype=torch.bfloat16, layer=1):
         kq, vq = synthetic_artifact(formats=[fmt]).quantizers(fmt)[layer]
     else:
         kq, vq = calibration_free_quantizers(f)
-    lay = PageLayout(f, D, BS, window=window)
+    lay = PageLayout(f, D, BS, window=window, num_kv_heads=H)
     rope = Rope(LlamaConfig(**{k: v for k, v in CFG.items() if k != "architectures"}))
     return LayerCache(f, lay, kq, vq, rope, dtype)
 
 
 def reference_kv(lc, k, v, n):
     """The first n tokens as the cache holds them: exact from exact_from(n), encoded-decoded before."""
-    K, V = k[:n].to(lc.dtype).clone(), v[:n].to(lc.dtype).clone()
+    K, V = lc.exact(k[:n]).clone(), lc.exact(v[:n]).clone()  # as stored: half precision
     lo, hi = SINK_TOKENS, exact_from(n, lc.layout.window)
     if hi > lo:
         pos = torch.arange(lo, hi)
@@ -97,13 +97,16 @@ def test_fast_window_does_not_depend_on_chunking():
         assert torch.equal(o, outs[0]), (o - outs[0]).abs().max()
 
 
-@pytest.mark.parametrize("fmt,window", [("selective-int8", 16), ("selective-int4", 8), ("temporalkv-2bit", 16),
-                                        ("selective-int8", 0)])
-def test_stream_reads_back_and_attends_alike(fmt, window):
+@pytest.mark.parametrize("fmt,window,dtype", [
+    ("selective-int8", 16, torch.bfloat16), ("selective-int4", 8, torch.bfloat16),
+    ("temporalkv-2bit", 16, torch.bfloat16), ("selective-int8", 0, torch.bfloat16),
+    ("tada-2bit", 16, torch.bfloat16), ("tada-4bit", 8, torch.float32), ("tada-4bit", 0, torch.float16)])
+def test_stream_reads_back_and_attends_alike(fmt, window, dtype):
     """A sequence prefilled in uneven chunks then decoded token by token, through pages scattered in the pool:
     after every step the cache reads back as the definition says, and every query's output is the same
-    however the sequence was chunked (and close to dense attention over the reference K/V)."""
-    lc = make_cache(fmt, window)
+    however the sequence was chunked (and close to dense attention over the reference K/V).  For TaDA the
+    per-token head mean is split across the heads' records (and kept in bfloat16 for a float32 model)."""
+    lc = make_cache(fmt, window, dtype)
     g = torch.Generator().manual_seed(window)
     n = 107
     k, v = torch.randn(n, H, D, generator=g) * 2, torch.randn(n, H, D, generator=g)
@@ -124,8 +127,8 @@ def test_stream_reads_back_and_attends_alike(fmt, window):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     # dense attention for the last query over what it sees: the reference K/V before it, itself exact
     K, V = reference_kv(lc, k, v, n - 1)
-    K = torch.cat([K, k[n - 1:].to(lc.dtype)]).float().repeat_interleave(2, 1)
-    V = torch.cat([V, v[n - 1:].to(lc.dtype)]).float().repeat_interleave(2, 1)
+    K = torch.cat([K, lc.exact(k[n - 1:])]).float().repeat_interleave(2, 1)
+    V = torch.cat([V, lc.exact(v[n - 1:])]).float().repeat_interleave(2, 1)
     p = torch.softmax(torch.einsum("hd,thd->ht", q[n - 1], K) * 0.25, -1)
     torch.testing.assert_close(outs[0][n - 1], torch.einsum("ht,thd->hd", p, V), rtol=1e-4, atol=1e-4)
 

@@ -180,13 +180,13 @@ def test_selective_fake_quant():
 # --- TaDA (seed 004 §3, Eqs. 1-8) -----------------------------------------------------------------
 
 
-def tada_reference(x, bits, group=128):
+def tada_reference(x, bits, group=128, half=None):
     """m = (1/H) sum_h x^h (16 bits); dev^h = m - x^h; per group of min(128, D) channels of one
     (token, head): M = min (fp16), S = (max - M) / (2^b - 1) (fp16, floored at 2**-24),
     q = clip(round((dev - M) / S), 0, 2^b - 1); x̂^h = m - (q S + M)."""
     T, H, D = x.shape
     G = min(group, D)
-    half = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float16
+    half = half or (x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float16)
     qmax = 2**bits - 1
     xd = x.double()
     out = torch.zeros(T, H, D, dtype=torch.float64)
@@ -224,6 +224,29 @@ def test_tada_matches_transcription(bits, D, dtype):
     xh = c.roundtrip(x)
     assert xh.dtype == dtype
     assert torch.allclose(xh.double(), rx, rtol=2e-7 if dtype == torch.float32 else 0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_served_tada_is_the_transcription(bits, dtype):
+    """What the pages hold for tada-{4,2}bit (TadaQuantizer: codes packed ``8 // bits`` per byte, scale + min per
+    token and head, the head mean split across the heads' records) decodes to the transcription of the paper's
+    equations - with the mean in the cache's stored half dtype (bfloat16 for a float32 model)."""
+    from vllm_temporalkv.codecs.tada import TadaQuantizer
+    from vllm_temporalkv.layout import join_head_mean, pack_block_codes, split_head_mean, unpack_block_codes
+
+    H, D = 3, 64
+    x = dyadic(T=16, H=H, D=D, seed=bits, dtype=dtype)
+    q = TadaQuantizer(bits)
+    enc = q.encode(x)
+    assert enc.scales.shape == (16, H, 2) and enc.mean.dtype == torch.bfloat16
+    enc.codes = unpack_block_codes(q.codec.layout, pack_block_codes(q.codec.layout, enc.codes), D)
+    c = -(-D // H)
+    enc.mean = join_head_mean(split_head_mean(enc.mean, H, c), D)
+    _, rq, rx = tada_reference(x, bits, half=torch.bfloat16)
+    assert torch.equal(enc.codes.double(), rq)
+    assert torch.allclose(q.decode(enc, 16, dtype).double(), rx, rtol=2e-7 if dtype == torch.float32 else 0,
+                          atol=0)
 
 
 def test_tada_group_smaller_than_head():

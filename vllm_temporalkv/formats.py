@@ -10,9 +10,11 @@ one code per vector), after per-channel normalization.  They differ in what a *v
   256 centroids per channel group.
 * ``scalar`` (KVQuant-style non-uniform datatype): one value; 2**bits centroids per channel.
 
-and one format family needs no calibration at all:
+and two format families need no calibration at all:
 * ``selective`` (seed 003, "Don't Drop It, Compress It"): every token per token symmetric int8 / int4
   with an fp16 absmax scale, behind a recent window of ``window`` tokens kept in half precision.
+* ``tada`` (seed 004, TaDA): per token the mean over the KV heads in 16 bits, each head's deviation from it
+  asymmetric 4 / 2-bit (an fp16 scale + min per 128 channels), behind a recent window (the paper's residual).
 
 Shared by all formats (so they are compared on equal terms):
 * ``SINK_TOKENS`` first tokens of every sequence stay in half precision (attention sinks);
@@ -35,8 +37,9 @@ BLOCK_TOKENS = 8
 OUTLIER_FRACTION = 0.01
 OUTLIER_QUANTILES = (0.005, 0.995)
 SELECTIVE_WINDOW = 128  # the selective paper leaves its window open; the quality harness's too
+TADA_WINDOW = 128  # TaDA's residual buffer R on LongBench (seed 004 §4.1; codecs/tada.py)
 
-METHODS = ("temporal", "channel", "scalar", "selective")
+METHODS = ("temporal", "channel", "scalar", "selective", "tada")
 CODEBOOK_METHODS = ("temporal", "channel", "scalar")  # calibrated: codebooks in an artifact
 
 
@@ -45,8 +48,8 @@ class KVFormat:
     name: str
     method: str  # one of METHODS
     bits_per_float: int  # nominal: code bits / floats per vector (not the all-in cost: layout.bits_per_float)
-    chunk: int  # floats per vector: tokens (temporal), channels (channel), 1 (scalar, selective)
-    n_centroids: int  # codebook size; for selective, the 2**bits code levels
+    chunk: int  # floats per vector: tokens (temporal), channels (channel), 1 (scalar, selective, tada)
+    n_centroids: int  # codebook size; for selective and tada, the 2**bits code levels
     # per layer and K/V, calibration may choose channel chunking (same l, same bits) where its
     # Fisher-MSE is lower: the thesis's hybrid TemporalKV
     hybrid: bool = False
@@ -95,6 +98,8 @@ def _build() -> dict[str, KVFormat]:
     for bits in (8, 4):
         out[f"selective-int{bits}"] = KVFormat(f"selective-int{bits}", "selective", bits, 1, 2**bits,
                                                window=SELECTIVE_WINDOW)
+    for bits in (4, 2):  # uniform deviation bits; the paper's per-layer mix is the quality harness's (tada-mixed-3bit)
+        out[f"tada-{bits}bit"] = KVFormat(f"tada-{bits}bit", "tada", bits, 1, 2**bits, window=TADA_WINDOW)
     return out
 
 
@@ -147,7 +152,12 @@ def check_head_dim(fmt: KVFormat, head_dim: int) -> None:
                 f"{fmt.name} groups {fmt.chunk} channels per vector, which does not divide "
                 f"head_dim={head_dim}; choose a format with a chunk length dividing {head_dim}"
             )
-    if fmt.method == "selective" and head_dim % 2:
-        raise FormatError(f"{fmt.name} packs codes two per byte and needs an even head_dim, got {head_dim}")
+    per_byte = 8 // fmt.code_layout.code_bits
+    if fmt.method in ("selective", "tada") and head_dim % per_byte:
+        raise FormatError(f"{fmt.name} packs {per_byte} codes per byte and needs a head_dim divisible by {per_byte}, "
+                          f"got {head_dim}")
+    if fmt.method == "tada" and head_dim > 128 and head_dim % 128:
+        raise FormatError(f"{fmt.name} keeps a scale and a min per 128 channels: head_dim {head_dim} must be a "
+                          "multiple of 128 (or at most 128)")
     if BLOCK_TOKENS % fmt.chunk and fmt.method == "temporal":
         raise FormatError(f"{fmt.name}: chunk {fmt.chunk} must divide BLOCK_TOKENS={BLOCK_TOKENS}")

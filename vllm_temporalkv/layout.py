@@ -3,6 +3,8 @@
 Pure arithmetic, no torch: the honest accounting behind every "bits" column.  Per (layer, KV head,
 K or V) a sequence of n tokens stores
 * codes: one code per vector, ``bits`` per float on average (kvquant codes packed);
+* scales (scaled integer codes: selective, TaDA): fp16 parameters per (token, KV head[, channel group]);
+* means (TaDA): per token the mean over the KV heads, 16 bits per channel, shared by the H heads;
 * outliers (optional): ``outlier_cap(D)`` fixed slots per block of BLOCK_TOKENS tokens, each a
   half-precision value plus a 16-bit position (the thesis counts only the value: +0.16 bits);
 * sinks: the first SINK_TOKENS tokens in half precision;
@@ -27,9 +29,10 @@ def outlier_bits_per_float(head_dim: int) -> float:
 
 
 def bits_per_float(fmt: KVFormat, head_dim: int, context: int, outliers: bool = False,
-                   window: int | None = None) -> dict[str, float]:
+                   window: int | None = None, num_kv_heads: int | None = None) -> dict[str, float]:
     """Average bits per cached K/V float for one sequence of ``context`` tokens (the sequence's own
-    cost: a page's fixed region is PageLayout's business)."""
+    cost: a page's fixed region is PageLayout's business).  ``num_kv_heads``: for formats that share a
+    per-token mean across the KV heads (TaDA)."""
     window = fmt.window if window is None else window
     cl = fmt.code_layout
     n_sink = min(SINK_TOKENS, context)
@@ -38,6 +41,7 @@ def bits_per_float(fmt: KVFormat, head_dim: int, context: int, outliers: bool = 
     parts = {
         "codes": cl.bits_per_float() * coded / context,
         "scales": cl.scale_bits_per_float(head_dim) * coded / context,
+        "means": cl.mean_bits_per_float(head_dim, num_kv_heads) * coded / context,
         "outliers": (outlier_bits_per_float(head_dim) * coded / context) if outliers else 0.0,
         "sinks": HALF_BITS * n_sink / context,
         "tail": HALF_BITS * tail / context,
@@ -68,7 +72,13 @@ class CodeLayout:
     vec_channels: int
     group_channels: int
     n_centroids: int  # codebook size, or the 2**bits levels of a scaled integer code
-    row_scales: bool = False  # each code row (token) of a KV head carries an fp16 scale (selective)
+    # scaled integer codes: fp16 parameters per code row (token) of a KV head and group of ``scale_group``
+    # channels (0: the whole head) - selective 1 (absmax scale), TaDA 2 (scale, min)
+    row_scales: int = 0
+    scale_group: int = 0
+    # per token, the mean over the KV heads in 16 bits (TaDA): codes are deviations from it; its channels are
+    # split across the heads' records (head h keeps channels h*c .. h*c + c - 1, c = ceil(D / H))
+    head_mean: bool = False
 
     @property
     def vec_dim(self) -> int:
@@ -100,7 +110,7 @@ class CodeLayout:
         """Which code path of the C++ and Triton kernels decodes these codes, from the geometry alone:
         0 = a vector along tokens (one channel), 1 = a vector along channels (one token), 2 = one value with a
         codebook per channel; None = no kernel (scaled integer codes: the torch path)."""
-        if self.row_scales:
+        if self.row_scales or self.head_mean:
             return None
         if self.vec_tokens > 1 and self.vec_channels == 1 and self.group_channels == self.vec_tokens:
             return KERNEL_TOKEN_VECTOR
@@ -110,32 +120,54 @@ class CodeLayout:
             return KERNEL_SCALAR
         return None
 
-    def scale_bytes(self) -> int:
-        """Scale bytes of one block of one KV head (fp16, one per code row)."""
-        return self.rows * 2 if self.row_scales else 0
+    def scales_per_row(self, head_dim: int) -> int:
+        """fp16 parameters per code row of one KV head."""
+        if not self.row_scales:
+            return 0
+        g = min(self.scale_group, head_dim) if self.scale_group else head_dim
+        return self.row_scales * (head_dim // g)
+
+    def scale_bytes(self, head_dim: int) -> int:
+        """Scale bytes of one block of one KV head (fp16)."""
+        return self.rows * self.scales_per_row(head_dim) * 2
+
+    def mean_channels(self, head_dim: int, num_kv_heads: int | None) -> int:
+        """Channels of the per-token head mean each KV head's record keeps (0: no mean)."""
+        if not self.head_mean:
+            return 0
+        if not num_kv_heads:
+            raise ValueError(f"{self.method} shares a per-token mean across the KV heads: pass num_kv_heads")
+        return -(-head_dim // num_kv_heads)
 
     def bits_per_float(self) -> float:
         return self.code_bits / self.vec_dim
 
     def scale_bits_per_float(self, head_dim: int) -> float:
-        return 8 * self.scale_bytes() / (BLOCK_TOKENS * head_dim)
+        return 8 * self.scale_bytes(head_dim) / (BLOCK_TOKENS * head_dim)
+
+    def mean_bits_per_float(self, head_dim: int, num_kv_heads: int | None) -> float:
+        return 16 * self.mean_channels(head_dim, num_kv_heads) / head_dim
 
 
-# method -> (vec_tokens, vec_channels, group_channels[, row_scales]) for chunk length l; see formats.py
+TADA_GROUP = 128  # TaDA's scale / min group (codecs/tada.py GROUP_SIZE; the whole head when head_dim < 128)
+
+# method -> (vec_tokens, vec_channels, group_channels, {extras}) for chunk length l; see formats.py
 _GEOMETRY = {
-    "temporal": lambda l: (l, 1, l),  # l tokens of one channel; codebooks shared by l channels
-    "channel": lambda l: (1, l, l),  # l adjacent channels of one token
-    "scalar": lambda l: (1, 1, 1),  # one value; a codebook per channel
-    "selective": lambda l: (1, 1, 1, True),  # one value; an absmax scale per (token, KV head)
+    "temporal": lambda l: (l, 1, l, {}),  # l tokens of one channel; codebooks shared by l channels
+    "channel": lambda l: (1, l, l, {}),  # l adjacent channels of one token
+    "scalar": lambda l: (1, 1, 1, {}),  # one value; a codebook per channel
+    "selective": lambda l: (1, 1, 1, dict(row_scales=1)),  # one value; an absmax scale per (token, KV head)
+    # one value: its deviation from the token's head mean; a scale and a min per (token, KV head, 128 channels)
+    "tada": lambda l: (1, 1, 1, dict(row_scales=2, scale_group=TADA_GROUP, head_mean=True)),
 }
 
 
 def code_layout(method: str, chunk: int, n_centroids: int) -> CodeLayout:
     try:
-        geom = _GEOMETRY[method]
+        vt, vc, gc, extras = _GEOMETRY[method](chunk)
     except KeyError:
         raise ValueError(f"no code layout for method {method!r}; known: {', '.join(_GEOMETRY)}") from None
-    return CodeLayout(method, *geom(chunk)[:3], n_centroids, *geom(chunk)[3:])
+    return CodeLayout(method, vt, vc, gc, n_centroids, **extras)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,7 +179,8 @@ def code_layout(method: str, chunk: int, n_centroids: int) -> CodeLayout:
 #                                        the recent window (window 0: R = 8, the incomplete block - the tail)
 #   k_codes  [nb = B / BLOCK_TOKENS, code_bytes = BLOCK_TOKENS * D * bits / 8] uint8
 #   v_codes  [nb, code_bytes] uint8
-#   (row scales only) k_scales [nb, 8] fp16, v_scales
+#   (row scales only) k_scales [nb, 8, P] fp16, v_scales    P parameters per token (selective 1, TaDA 2 per group)
+#   (head mean only) k_mean [nb, 8, c] half, v_mean           this head's share of the per-token head mean
 #   (outliers only) k_idx [nb, cap] int16, k_val [nb, cap] half, v_idx, v_val
 #
 # A block (8b .. 8b+7) is encoded when the sequence reaches 8b + 8 + window tokens, so the tokens not yet
@@ -179,7 +212,7 @@ class PageLayout:
     """Byte offsets inside one (page, KV head) record; shared by the torch path and kernels."""
 
     def __init__(self, fmt: KVFormat, head_dim: int, block_size: int, outliers: bool = False,
-                 window: int | None = None):
+                 window: int | None = None, num_kv_heads: int | None = None):
         from .formats import check_window
 
         if block_size % BLOCK_TOKENS or block_size < 2 * BLOCK_TOKENS:
@@ -195,7 +228,10 @@ class PageLayout:
         cl = fmt.code_layout
         self.blocks = block_size // BLOCK_TOKENS  # encode blocks per page
         self.code_bytes = code_bytes_per_block(fmt, D)
-        self.scale_bytes = cl.scale_bytes()
+        self.scale_bytes = cl.scale_bytes(D)
+        self.scales_per_row = cl.scales_per_row(D)
+        self.mean_channels = cl.mean_channels(D, num_kv_heads)  # 0 unless the format shares a head mean
+        self.mean_bytes = BLOCK_TOKENS * self.mean_channels * 2
         self.cap = outlier_cap(D) if outliers else 0
         off = 0
         self.region = off
@@ -208,6 +244,10 @@ class PageLayout:
         off += self.blocks * self.scale_bytes
         self.v_scales = off
         off += self.blocks * self.scale_bytes
+        self.k_mean = off
+        off += self.blocks * self.mean_bytes
+        self.v_mean = off
+        off += self.blocks * self.mean_bytes
         self.k_idx = off
         off += self.blocks * self.cap * 2
         self.k_val = off
@@ -236,10 +276,17 @@ class PageLayout:
         return TAIL_SLOT0 + positions % self.ring
 
     def scales_view(self, pages, kind: str):
-        """[num_pages, H, blocks, BLOCK_TOKENS] fp16 row scales for K ("k") or V ("v")."""
+        """[num_pages, H, blocks, BLOCK_TOKENS, P] fp16 row scales for K ("k") or V ("v")."""
         start = self.k_scales if kind == "k" else self.v_scales
         n = self.blocks * self.scale_bytes
-        return self._slice(pages, start, n).view(torch.float16).unflatten(-1, (self.blocks, BLOCK_TOKENS))
+        return self._slice(pages, start, n).view(torch.float16).unflatten(
+            -1, (self.blocks, BLOCK_TOKENS, self.scales_per_row))
+
+    def mean_view(self, pages, kind: str, dtype):
+        """[num_pages, H, blocks, BLOCK_TOKENS, c] half: each head's channels of the per-token head mean."""
+        start = self.k_mean if kind == "k" else self.v_mean
+        n = self.blocks * self.mean_bytes
+        return self._slice(pages, start, n).view(dtype).unflatten(-1, (self.blocks, BLOCK_TOKENS, self.mean_channels))
 
     def codes_view(self, pages, kind: str):
         """[num_pages, H, blocks, code_bytes] uint8 for K ("k") or V ("v")."""
@@ -281,3 +328,23 @@ def unpack_block_codes(cl: CodeLayout, packed: torch.Tensor, head_dim: int) -> t
         c = ((c.to(torch.int32)[..., None] >> shifts) & ((1 << cl.code_bits) - 1)).to(torch.uint8)
     c = c.reshape(nb, H, cl.rows, cl.cols(head_dim)).transpose(1, 2)
     return c.reshape(nb * cl.rows, H, cl.cols(head_dim))
+
+
+# ---- the per-token head mean (TaDA) <-> the heads' shares of it -------------------------------
+
+
+def split_head_mean(mean: torch.Tensor, num_kv_heads: int, channels: int) -> torch.Tensor:
+    """[T, D] -> [T, H, c]: head h's share is channels h*c .. h*c + c - 1 (zero-padded past D)."""
+    pad = num_kv_heads * channels - mean.shape[-1]
+    return torch.nn.functional.pad(mean, (0, pad)).unflatten(-1, (num_kv_heads, channels))
+
+
+def join_head_mean(shares: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Inverse of split_head_mean: [..., H, c] -> [..., D]."""
+    return shares.flatten(-2)[..., :head_dim]
+
+
+def store_half(dtype: torch.dtype) -> torch.dtype:
+    """The half dtype a cache stores exact values in (sinks, tail, outliers, head means): the model's own, or
+    bfloat16 for a float32 model (a float32 region would cost ~12% of the pages' capacity)."""
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16

@@ -5,7 +5,8 @@ interface; ``quantizer`` adds what every method shares (normalization, sinks, bl
 The seed baselines that are not codebook methods have reference codecs of their own shape, used by the
 quality harness (benchmarks/quality_seeds.py): ``selective`` (seed 003, per-token symmetric int8 / int4;
 served, behind ``SelectiveQuantizer``), ``tada`` (seed 004, mean across KV heads + asymmetric deviations,
-per-layer bits search) and ``qjl`` (seed 002, 1-bit JL key sketches + 2-bit values), not served yet."""
+per-layer bits search; served at uniform bits, behind ``TadaQuantizer``) and ``qjl`` (seed 002, 1-bit JL key
+sketches + 2-bit values), not served yet."""
 
 from .base import Codec, exact_sq_dist, nearest
 from .channel import ChannelCodec
@@ -25,6 +26,10 @@ def calibration_free_quantizers(fmt):
         from .selective import SelectiveQuantizer
 
         return SelectiveQuantizer(fmt.bits_per_float), SelectiveQuantizer(fmt.bits_per_float)
+    if fmt.method == "tada":
+        from .tada import TadaQuantizer
+
+        return TadaQuantizer(fmt.bits_per_float), TadaQuantizer(fmt.bits_per_float)
     raise ValueError(f"{fmt.name} is served from a calibration artifact (method {fmt.method!r})")
 
 

@@ -41,7 +41,8 @@ class Encoded:
     codes: torch.Tensor  # uint8, the codec's natural layout
     outlier_idx: torch.Tensor | None  # [nb, H, cap] int16, -1 = empty slot
     outlier_val: torch.Tensor | None  # [nb, H, cap], the model's dtype (exact)
-    scales: torch.Tensor | None = None  # [T, H] fp16 per-token scales (row-scaled codes: selective)
+    scales: torch.Tensor | None = None  # [T, H, P] fp16 per-token parameters (scaled integer codes: selective, tada)
+    mean: torch.Tensor | None = None  # [T, D] the per-token mean over the KV heads, half precision (tada)
 
 
 class KVQuantizer:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ..formats import SINK_TOKENS
 from ..layout import CodeLayout, code_layout
 
 EPS = 2.0**-24  # smallest positive fp16 (subnormal); see the module docstring
@@ -104,16 +105,16 @@ class SelectiveQuantizer:
         from .quantizer import Encoded
 
         q, s = self.codec.encode(x)
-        return Encoded((q.to(torch.int16) + (self.codec.qmax + 1)).to(torch.uint8), None, None, s)
+        return Encoded((q.to(torch.int16) + (self.codec.qmax + 1)).to(torch.uint8), None, None, s[..., None])
 
     def decode(self, enc, T: int, dtype: torch.dtype) -> torch.Tensor:
         q = enc.codes[:T].to(torch.int16) - (self.codec.qmax + 1)
-        return self.codec.decode(q, enc.scales[:T], dtype)
+        return self.codec.decode(q, enc.scales[:T, :, 0], dtype)
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         return self.decode(self.encode(x), x.shape[0], x.dtype)
 
-    def fake_quant(self, x: torch.Tensor, sinks: int = 8, window: int = 0) -> torch.Tensor:
+    def fake_quant(self, x: torch.Tensor, sinks: int = SINK_TOKENS, window: int = 0) -> torch.Tensor:
         from .quantizer import fake_quant
 
         return fake_quant(self, x, sinks, window)

@@ -38,9 +38,12 @@ from typing import Hashable, Mapping, TypeVar
 
 import torch
 
-GROUP_SIZE = 128
+from ..formats import SINK_TOKENS, TADA_WINDOW
+from ..layout import TADA_GROUP, CodeLayout, code_layout, store_half
+
+GROUP_SIZE = TADA_GROUP  # 128
 CANDIDATE_BITS = (2, 4, 8)
-RESIDUAL_TOKENS = 128
+RESIDUAL_TOKENS = TADA_WINDOW  # 128
 EPS = 2.0**-24  # smallest positive fp16: the floor of a scale, so a constant group divides safely
 
 U = TypeVar("U", bound=Hashable)
@@ -98,17 +101,20 @@ class TadaEncoded:
 class TadaCodec:
     """Mean-centering across KV heads + asymmetric deviation quantization for one (layer, K-or-V)."""
 
-    def __init__(self, bits: int = 4, group_size: int = GROUP_SIZE):
+    def __init__(self, bits: int = 4, group_size: int = GROUP_SIZE, mean_dtype=None):
         if not 1 <= bits <= 8:
             raise ValueError(f"deviation bits must be in 1..8, got {bits}")
         self.bits = bits
         self.qmax = 2**bits - 1
         self.group_size = group_size
+        self.mean_dtype = mean_dtype  # a function of the input dtype -> the mean's 16-bit dtype (default _half)
+        # in pages: codes of ``bits`` bits, scale + min per (token, head, group), the head mean split across heads
+        self.layout: CodeLayout = code_layout("tada", 1, 2**bits)
 
     def encode(self, x: torch.Tensor) -> TadaEncoded:
         T, H, D = x.shape
         g = _group(D, self.group_size)
-        mean = x.float().mean(1).to(_half(x.dtype))
+        mean = x.float().mean(1).to((self.mean_dtype or _half)(x.dtype))
         dev = (mean.float()[:, None, :] - x.float()).reshape(T, H, D // g, g)
         mn = dev.amin(-1).to(torch.float16)
         scale = ((dev.amax(-1) - mn.float()) / self.qmax).clamp_min(EPS).to(torch.float16)
@@ -137,6 +143,40 @@ class TadaCodec:
 
     def bits_per_float(self, head_dim: int, num_kv_heads: int) -> float:
         return bits_per_float(head_dim, self.bits, num_kv_heads, self.group_size)
+
+
+class TadaQuantizer:
+    """TaDA behind the serving quantizer interface (``KVQuantizer``'s encode / decode, what the paged cache calls):
+    whole blocks of all KV heads in; codes (< 2**bits, one per value), scale + min per (token, head, group) as
+    ``Encoded.scales`` [T, H, 2G] (scales first), and the per-token head mean as ``Encoded.mean``.  The mean is
+    kept in the half dtype the cache stores exact values in (``layout.store_half``: bfloat16 for a float32
+    model), so a decode from the pages is this codec's decode.  Under tensor parallelism it is the mean over
+    the KV heads a rank holds.  No calibration, no normalization, no outliers; the recent window (the paper's
+    residual) and the sinks are the page layout's."""
+
+    outliers = False
+
+    def __init__(self, bits: int):
+        self.codec = TadaCodec(bits, mean_dtype=store_half)
+
+    def encode(self, x: torch.Tensor):
+        from .quantizer import Encoded
+
+        e = self.codec.encode(x)
+        return Encoded(e.codes, None, None, torch.cat([e.scale, e.minimum], -1), e.mean)
+
+    def decode(self, enc, T: int, dtype: torch.dtype) -> torch.Tensor:
+        G = enc.scales.shape[-1] // 2
+        s = enc.scales[:T]
+        return self.codec.decode(TadaEncoded(enc.mean[:T], enc.codes[:T], s[..., :G], s[..., G:]), dtype)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.encode(x), x.shape[0], x.dtype)
+
+    def fake_quant(self, x: torch.Tensor, sinks: int = SINK_TOKENS, window: int = 0) -> torch.Tensor:
+        from .quantizer import fake_quant
+
+        return fake_quant(self, x, sinks, window)
 
 
 def search_layer_bits(errors: Mapping[U, Mapping[int, float]], avg_bits: float) -> dict[U, int]:

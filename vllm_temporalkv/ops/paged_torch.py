@@ -30,7 +30,8 @@ import torch
 
 from ..codecs.quantizer import Encoded, KVQuantizer
 from ..formats import BLOCK_TOKENS, SINK_TOKENS, KVFormat
-from ..layout import TAIL_SLOT0, PageLayout, exact_from, pack_block_codes, unpack_block_codes
+from ..layout import (TAIL_SLOT0, PageLayout, exact_from, join_head_mean, pack_block_codes, split_head_mean,
+                      store_half, unpack_block_codes)
 from ..rope import Rope
 
 
@@ -51,9 +52,8 @@ class LayerCache:
 
     @property
     def store_dtype(self) -> torch.dtype:
-        """The half dtype of the stored exact values (sinks, tail, outliers): the model's own, or
-        bfloat16 for a float32 model (a float32 region would cost ~12% of the pages' capacity)."""
-        return self.dtype if self.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        """The half dtype of the stored exact values (sinks, tail, outliers, head means): ``layout.store_half``."""
+        return store_half(self.dtype)
 
     def exact(self, x: torch.Tensor) -> torch.Tensor:
         """New K/V as the cache will hold them (stored half values) in the model dtype: what a query
@@ -68,8 +68,12 @@ def _encode_blocks(lc: LayerCache, pages, page_ids, block_slots, k_pre, v, ) -> 
         enc = q.encode(x)
         codes = lay.codes_view(pages, kind)
         codes[page_ids, :, block_slots] = pack_block_codes(q.codec.layout, enc.codes)
-        if enc.scales is not None:  # [nb * 8, H] -> [nb, H, 8]
+        if enc.scales is not None:  # [nb * 8, H, P] -> [nb, H, 8, P]
             lay.scales_view(pages, kind)[page_ids, :, block_slots] = enc.scales.unflatten(0, (-1, BLOCK_TOKENS)).transpose(1, 2)
+        if enc.mean is not None:  # [nb * 8, D] -> each head's share [nb, H, 8, c]
+            share = split_head_mean(enc.mean.to(lc.store_dtype), x.shape[1], lay.mean_channels)
+            lay.mean_view(pages, kind, lc.store_dtype)[page_ids, :, block_slots] = \
+                share.unflatten(0, (-1, BLOCK_TOKENS)).transpose(1, 2)
         if lay.outliers:
             idx, val = lay.outlier_views(pages, kind, lc.store_dtype)
             idx[page_ids, :, block_slots] = enc.outlier_idx
@@ -212,8 +216,11 @@ def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n:
         for kind, q, out in (("k", lc.k, K), ("v", lc.v, V)):
             packed = lay.codes_view(pages, kind)[pg, :, slot]  # [nblk, H, code_bytes]
             enc = Encoded(unpack_block_codes(q.codec.layout, packed, D), None, None)
-            if lay.scale_bytes:  # [nblk, H, 8] -> [nblk * 8, H]
-                enc.scales = lay.scales_view(pages, kind)[pg, :, slot].transpose(1, 2).reshape(T, H)
+            if lay.scale_bytes:  # [nblk, H, 8, P] -> [nblk * 8, H, P]
+                enc.scales = lay.scales_view(pages, kind)[pg, :, slot].transpose(1, 2).reshape(T, H, -1)
+            if lay.mean_bytes:  # the heads' shares [nblk, H, 8, c] -> [nblk * 8, D]
+                share = lay.mean_view(pages, kind, lc.store_dtype)[pg, :, slot].transpose(1, 2)
+                enc.mean = join_head_mean(share.reshape(T, H, -1), D)
             if lay.outliers:
                 idx, val = lay.outlier_views(pages, kind, lc.store_dtype)
                 enc.outlier_idx, enc.outlier_val = idx[pg, :, slot], val[pg, :, slot]
@@ -301,7 +308,9 @@ def _query_rows(t: int) -> int:
 
 
 def _window_start(pos: torch.Tensor, window: int) -> torch.Tensor:
-    """First key a query at ``pos`` sees exactly: its own block's, ``window`` tokens earlier (0: all exact)."""
+    """First key a query at ``pos`` sees exactly: its own block's, ``window`` tokens earlier (0: all exact).
+    ``layout.exact_from`` over tensors, clamped at 0 rather than at the sinks' end: the sink block is exact in
+    both versions of the keys, and 0 tells the decoded pass that a query sees nothing decoded."""
     return ((pos - window) // BLOCK_TOKENS * BLOCK_TOKENS).clamp_min(0)
 
 
@@ -324,12 +333,13 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[1])) if rows > t.shape[1] else t
 
 
-def _flash_band(qh, kk, vv, scale: float, offset: int, window: int = 0, exact: bool = False):
-    """Queries qh [H, Tq, D] at positions offset.. over the keys kk / vv [H, >= offset + Tq, D] that each
-    query sees decoded (``exact`` False: those before its window, ``_window_start``) or exactly (True: the
-    window up to itself): (o, lse); lse = -inf and o = 0 for queries that see none."""
+def _flash_band(qh, kk, vv, scale: float, offset: int, window: int = 0, exact: bool = False, key0: int = 0):
+    """Queries qh [H, Tq, D] at positions offset.. over the keys kk / vv [H, n - key0, D] (positions key0..n-1,
+    n >= offset + Tq) that each query sees decoded (``exact`` False: those before its window, ``_window_start``;
+    key0 0) or exactly (True: the window up to itself; key0 at most the first query's window start, rounded down
+    to _KV_BLOCK): (o, lse); lse = -inf and o = 0 for queries that see none."""
     H, tq, D = qh.shape
-    n = kk.shape[1]
+    n = key0 + kk.shape[1]
     op = _CPU_FLASH
     if op is not None and qh.device.type == "cpu":
         # fused, shaped to whole blocks (see _KV_BLOCK), queries in groups of _KV_BLOCK positions aligned to
@@ -344,12 +354,14 @@ def _flash_band(qh, kk, vv, scale: float, offset: int, window: int = 0, exact: b
             k0 = int(_window_start(torch.tensor(a), window)) // _KV_BLOCK * _KV_BLOCK if exact else 0
             keys = -(-min(b, n) // _KV_BLOCK) * _KV_BLOCK - k0
             mask = _band_mask(a, b - a, rows, k0, keys, window, exact, "cpu")
-            og, lg = op(_pad_rows(qh[:, a - offset:b - offset], rows)[None], _pad_rows(kk[:, k0:k0 + keys], keys)[None],
-                        _pad_rows(vv[:, k0:k0 + keys], keys)[None], attn_mask=mask[None, None], scale=scale)[:2]
+            j0 = k0 - key0
+            og, lg = op(_pad_rows(qh[:, a - offset:b - offset], rows)[None], _pad_rows(kk[:, j0:j0 + keys], keys)[None],
+                        _pad_rows(vv[:, j0:j0 + keys], keys)[None], attn_mask=mask[None, None], scale=scale)[:2]
             o[:, a - offset:b - offset], lse[:, a - offset:b - offset] = og[0, :, :b - a], lg[0, :, :b - a]
             a = b
     else:  # plain matmuls
-        s = (qh @ kk.transpose(1, 2)).mul_(scale) + _band_mask(offset, tq, tq, 0, n, window, exact, str(qh.device))
+        s = (qh @ kk.transpose(1, 2)).mul_(scale) + _band_mask(offset, tq, tq, key0, n - key0, window, exact,
+                                                               str(qh.device))
         lse = torch.logsumexp(s, -1)
         o = torch.softmax(s, -1) @ vv
     if not exact:
@@ -387,8 +399,10 @@ def _attend_fast(q, k_exact, v_exact, k_dec, v_dec, scale, offset, window: int =
     # the decoded keys before the last query's own block (none: all queries in block 0, one dummy key)
     kend = max(int(_window_start(torch.tensor(n - 1), window)), 1)
     o, lse = _flash_band(qh, heads(k_dec[:kend]), heads(v_dec[:kend]), scale, offset, window)
-    if window:
-        oe, lsee = _flash_band(qh, heads(k_exact[:n]), heads(v_exact[:n]), scale, offset, window, exact=True)
+    if window:  # the exact pass reads only the keys from the first query's window on (whole _KV_BLOCKs)
+        s0 = int(_window_start(torch.tensor(offset), window)) // _KV_BLOCK * _KV_BLOCK
+        oe, lsee = _flash_band(qh, heads(k_exact[s0:n]), heads(v_exact[s0:n]), scale, offset, window, exact=True,
+                               key0=s0)
         return _merge(o, lse, oe, lsee).transpose(0, 1)
     # own blocks: queries padded to whole blocks from p0, the first key of the first query's block
     p0 = offset // BLOCK_TOKENS * BLOCK_TOKENS

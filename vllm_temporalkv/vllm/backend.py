@@ -116,7 +116,8 @@ class TemporalKVBackend(AttentionBackend):
         if len(_SERVING) > 1:
             raise TemporalKVConfigError(f"one process serves one vllm-temporalkv format, got {sorted(_SERVING)}")
         fmt_name, outliers, window = next(iter(_SERVING))
-        layout = PageLayout(get_format(fmt_name), spec.head_size, spec.block_size, outliers, window)
+        layout = PageLayout(get_format(fmt_name), spec.head_size, spec.block_size, outliers, window,
+                            num_kv_heads=spec.num_kv_heads)
         return compat.customize_spec(spec, block_size=spec.block_size, record_bytes=layout.bytes,
                                      num_heads=spec.num_kv_heads)
 
@@ -200,7 +201,8 @@ class TemporalKVImpl(AttentionImpl):
                 heads = compat.local_kv_heads(self._artifact.fingerprint["num_kv_heads"], self.num_kv_heads)
                 kq, vq = self._artifact.layer_quantizers(fmt.name, index, outliers=self._outliers, heads=heads,
                                                          device=device)
-            layout = PageLayout(fmt, self.head_size, self._block_size, self._outliers, self._window)
+            layout = PageLayout(fmt, self.head_size, self._block_size, self._outliers, self._window,
+                                num_kv_heads=self.num_kv_heads)
             self._lc = paged_torch.LayerCache(fmt, layout, kq, vq, Rope(self._hf_config, device), self._dtype)
             self._ops, path = ops.select(self._lc, device)
             if self._batch_invariant:

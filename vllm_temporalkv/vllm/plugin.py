@@ -13,8 +13,9 @@ Serving options (``--additional-config`` JSON or environment):
     temporalkv_recent_window / VLLM_TEMPORALKV_RECENT_WINDOW
                                                       the newest tokens kept in half precision, a
                                                       multiple of 8 (default: the format's - 0 for the
-                                                      codebook formats, 128 for selective-int8/int4)
-Formats that need no calibration (selective-int8 / -int4) ignore the artifact.
+                                                      codebook formats, 128 for selective-int8/int4
+                                                      and tada-4bit/2bit)
+Formats that need no calibration (selective-int8 / -int4, tada-4bit / -2bit) ignore the artifact.
 An unknown ``temporalkv_*`` key or a value that is not a boolean stops the server with the option's name.
 """
 
