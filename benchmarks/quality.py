@@ -15,8 +15,9 @@ benchmarks/quality_seeds.py, thesis protocol), and the ablations: Fisher vs unwe
 (``<format>@unweighted``, needs ``--ablation-artifact`` calibrated with ``--no-fisher``), sinks
 compressed (``@sinks-compressed``), pure temporal chunking instead of the hybrid
 (``@pure-temporal``), only the keys or only the values compressed (``@keys-only``, ``@values-only``: where
-a format's loss comes from), and a recent window of N half-precision tokens (``@windowN``, the serving option
-``temporalkv_recent_window``; its tokens are counted in the bits).  ``--formats`` also takes any of these by name
+a format's loss comes from), a recent window of N half-precision tokens (``@windowN``, the serving option
+``temporalkv_recent_window``; its tokens are counted in the bits), and only layers A..B compressed (``@layersA-B``,
+per-layer sensitivity; its bits are the format's); parts combine with ``+`` (``@keys-only+layers0-5``).  ``--formats`` also takes any of these by name
 (``temporalkv-2bit@window32``; with ``--no-ablations``, only those).  Results go to benchmarks/results/quality.{json,md} and PNG plots; each
 configuration is saved as soon as it is done, and a rerun with the same settings skips it.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import math
+import re
 import time
 from pathlib import Path
 
@@ -68,11 +70,35 @@ def artifact_free(name: str) -> bool:
     return name == "bf16" or is_seed_config(name) or (fmt in FORMATS and not get_format(fmt).needs_calibration)
 
 
+_ABLATION_PART = re.compile(r"unweighted|sinks-compressed|pure-temporal|keys-only|values-only|window\d+|layers\d+-\d+")
+
+
+def ablation_parts(ablation: str | None) -> list[str]:
+    """'keys-only+layers0-5' -> ['keys-only', 'layers0-5']: an ablation may combine parts with '+'; an unknown part
+    is an error (a misspelt one would otherwise measure the plain format)."""
+    parts = [p for p in (ablation or "").split("+") if p]
+    bad = [p for p in parts if not _ABLATION_PART.fullmatch(p)]
+    if bad:
+        raise ValueError(f"unknown ablation {'+'.join(bad)!r}; known: unweighted, sinks-compressed, pure-temporal, "
+                         "keys-only, values-only, windowN, layersA-B (joined with '+')")
+    return parts
+
+
 def window_of(fmt: str, ablation: str | None) -> int:
     """The recent window a configuration keeps: ``@windowN``, else the format's own."""
-    if ablation and ablation.startswith("window"):
-        return int(ablation.removeprefix("window"))
+    for p in ablation_parts(ablation):
+        if p.startswith("window"):
+            return int(p.removeprefix("window"))
     return get_format(fmt).window
+
+
+def layers_of(ablation: str | None) -> range | None:
+    """``@layersA-B``: only layers A..B (inclusive) compressed, the others exact; None = every layer."""
+    for p in ablation_parts(ablation):
+        if p.startswith("layers"):
+            a, b = map(int, p.removeprefix("layers").split("-"))
+            return range(a, b + 1)
+    return None
 
 
 def parse_config(name: str) -> tuple[str | None, bool, str | None]:
@@ -98,9 +124,11 @@ class Simulator:
     def __init__(self, name: str, art: Artifact, art_unweighted: Artifact | None, protocol: str = "thesis"):
         fmt, outliers, ablation = parse_config(name)
         self.protocol = protocol
-        self.sinks = 0 if ablation == "sinks-compressed" else None
+        parts = ablation_parts(ablation)
+        self.sinks = 0 if "sinks-compressed" in parts else None
         # the diagnosis of where a format loses: only keys or only values compressed, the other half exact
-        self.exact_kind = {"keys-only": "v", "values-only": "k"}.get(ablation)
+        self.exact_kind = {"keys-only": "v", "values-only": "k"}.get(next((p for p in parts if p.endswith("-only")), None))
+        self.layers = layers_of(ablation)  # per-layer sensitivity: one layer group compressed at a time
         self.qs = None
         self.window = 0
         self.stash: dict[tuple[int, str], torch.Tensor] = {}
@@ -110,15 +138,15 @@ class Simulator:
                 pair = calibration_free_quantizers(get_format(fmt))
                 self.qs = collections.defaultdict(lambda: pair)  # the same (stateless) pair for every layer
                 return
-            src = art_unweighted if ablation == "unweighted" else art
+            src = art_unweighted if "unweighted" in parts else art
             methods = None
-            if ablation == "pure-temporal":
+            if "pure-temporal" in parts:
                 methods = {kv: ["temporal"] * art.num_layers for kv in "kv"}
             self.qs = src.quantizers(fmt, outliers=outliers, layer_methods=methods)
 
     def __call__(self, layer: int, kind: str, out: torch.Tensor) -> torch.Tensor:
         x = out.to(KV_DTYPE)
-        if self.qs is not None and kind != self.exact_kind:
+        if self.qs is not None and kind != self.exact_kind and (self.layers is None or layer in self.layers):
             q = self.qs[layer][0 if kind == "k" else 1]
             kw = {} if self.sinks is None else {"sinks": self.sinks}
             # causal: every whole block decoded (which ones a query sees exactly is causal_attention's business)
@@ -160,7 +188,21 @@ def causal_attention(module, query, key, value, attention_mask, scaling, dropout
     causal = torch.arange(T, device=query.device)[None, :] > torch.arange(T, device=query.device)[:, None]
     p = torch.softmax(torch.where(own, s_ex, s_q).masked_fill(causal, float("-inf")), -1)
     out = torch.matmul(p * own, rep(value)) + torch.matmul(p * ~own, rep(vq))
+    probe = _ACTIVE.get("probe")
+    if probe is not None:  # benchmarks.needle_nll: how one query's attention finds the needle's tokens
+        qi, span = probe["query"], probe["span"]
+        served = torch.where(own, s_ex, s_q)[0, :, qi, : qi + 1]  # [Hq, keys]: the scores as served
+        probe["layers"][layer] = {name: needle_attention(x, span)
+                                  for name, x in (("exact", s_ex[0, :, qi, : qi + 1]), ("served", served))}
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def needle_attention(scores: torch.Tensor, span: list[int]) -> dict[str, list[float]]:
+    """Per head, from one query's scores [Hq, keys]: the attention mass on the span's keys, and the rank of its best
+    key (how many keys score higher: 0 = the needle is the top key)."""
+    best = scores[:, span].amax(-1, keepdim=True)
+    return {"mass": torch.softmax(scores, -1)[:, span].sum(-1).tolist(),
+            "rank": (scores > best).sum(-1).tolist()}
 
 
 @torch.no_grad()
@@ -218,6 +260,11 @@ def run(args) -> dict:
     wanted = [f for f in wanted if "@" not in f]
     bad = [f for f in wanted if f not in FORMATS and not is_seed_config(f)]
     bad += [f for f in named if parse_config(f)[0] not in FORMATS]
+    for f in named:
+        try:
+            ablation_parts(parse_config(f)[2])
+        except ValueError as e:
+            raise SystemExit(f"--formats {f}: {e}") from None
     if bad:
         raise SystemExit(f"unknown --formats {bad}; known: {', '.join([*FORMATS, *SEED_CONFIGS])}")
     seeds = tuple(f for f in wanted if is_seed_config(f))

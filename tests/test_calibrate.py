@@ -91,6 +91,20 @@ def test_quality_harness_protocol(tiny_artifact, smollm2_dir, tmp_path):
     for protocol, ref in (("thesis", nll), ("causal", causal)):
         w = window_nll(model, ids, Simulator("temporalkv-2bit@window32", art, None, protocol))[0]
         assert ref["bf16"] < w < ref["temporalkv-2bit"], (protocol, w, ref)
+    # one layer group at a time (per-layer sensitivity), combined with keys only: the other layers and the values
+    # stay exact; the groups together cost about what all layers do
+    for protocol in ("thesis", "causal"):
+        groups = [window_nll(model, ids, Simulator(f"temporalkv-2bit@keys-only+layers{a}-{a + 14}", art, None,
+                                                   protocol))[0] for a in (0, 15)]
+        ref = {"thesis": nll, "causal": causal}[protocol]
+        full_k = nll["keys-only"] if protocol == "thesis" else k_only
+        assert all(ref["bf16"] < g < full_k for g in groups), (protocol, groups, full_k)
+    sim = Simulator("temporalkv-2bit@keys-only+layers3-4", art, None)
+    x = torch.randn(1, 64, 3, 64)
+    xb = x.bfloat16().float()
+    assert torch.equal(sim(2, "k", x), xb) and torch.equal(sim(3, "v", x), xb) and not torch.equal(sim(4, "k", x), xb)
+    with pytest.raises(ValueError, match="unknown ablation 'layer3'"):
+        Simulator("temporalkv-2bit@keys-only+layer3", art, None)
     # the hook leaves the sink tokens' K/V bit-exact (bf16) and changes the rest
     sim = Simulator("temporalkv-2bit", art, None)
     x = torch.randn(1, 64, 3, 64)

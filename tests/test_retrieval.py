@@ -127,3 +127,29 @@ def test_intervals_are_paired_bootstrap(tmp_path):
     assert z["avg_ci"] == [0.0, 0.0] and z["long_diff_ci"][1] < 0
     md = (tmp_path / "retrieval.md").read_text()
     assert "| same |" in md and "[1.00, 1.00]" in md
+
+
+def test_needle_probe_finds_the_needle(builder, smollm2_dir, tiny_artifact, tmp_path):
+    """benchmarks.needle_nll: the needle's value tokens are located in the prompt, and the query predicting the
+    answer's first token attends to them; uncompressed, served and exact scores agree (they are the same keys),
+    compressed keys move the served scores and not the exact ones of an uncompressed layer."""
+    from benchmarks import needle_nll
+
+    rep_path = tmp_path / "needle-nll.json"
+    needle_nll.main(["--artifact", str(tiny_artifact), "--configs", "bf16", "temporalkv-2bit@keys-only+layers0-14",
+                     "--tasks", "niah_single", "--lengths", "1024", "--out", str(tmp_path)])
+    rep = json.loads(rep_path.read_text())
+    row = rep["rows"][0]
+    toks = builder.tok.convert_ids_to_tokens(builder.tok.encode(SuiteBuilder(builder.tok, seed=0).build(
+        ["niah_single"], [1024], samples=1)[0].prompt))
+    assert "".join(toks[i] for i in row["needle_tokens"]).replace("Ġ", "").strip() == row["answer"]
+    att = row["attention"]
+    assert len(att["bf16"]) == 30
+    for layer, a in att["bf16"].items():
+        assert a["served"] == a["exact"]
+    # some head finds the needle (the model answers it) and the compressed layers' served scores differ from exact
+    assert max(max(a["exact"]["mass"]) for a in att["bf16"].values()) > 0.3
+    comp = att["temporalkv-2bit@keys-only+layers0-14"]
+    assert any(comp[str(i)]["served"] != comp[str(i)]["exact"] for i in range(15))
+    assert all(comp[str(i)]["served"] == comp[str(i)]["exact"] for i in range(15, 30))
+    assert "## Where the first answer token's query finds the needle" in (tmp_path / "needle-nll.md").read_text()
