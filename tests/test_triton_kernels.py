@@ -172,3 +172,42 @@ def test_reference_tail_reuse_regression():
     K, V = reference.gather_kv(lc, pages, table, 21)
     EK, EV = expected_kv(lc, k, v, 21)
     assert torch.equal(V, EV)
+
+
+def test_triton_path_forward_serves_mixed_batches():
+    """ops.triton_path.forward, what the backend calls on CUDA (here in the interpreter): steps mixing prefill
+    chunks and decodes - decodes through the Triton decode kernel, prefills on the torch attention, every token
+    stored by the Triton encoder - give the torch path's outputs (within the dtype's tolerance) and the same pages
+    bit for bit; ``ops.select`` picks it when asked on the CPU and says why not where it cannot serve."""
+    from vllm_temporalkv.ops import select, triton_path
+
+    case = ("temporalkv-2bit", 64, True, torch.bfloat16, 1)
+    lens = [40, 23, 9]
+    lc, pages, tables, kv, _ = _decode_setup(case, [n + 3 for n in lens], block_size=16, seed=5)
+    ref = pages.clone()
+    g = torch.Generator().manual_seed(6)
+    # step 1: two prefill chunks and a whole short prompt; step 2: request 0 continues, 1 and 2 decode;
+    # steps 3-4: decodes only (a uniform batch: one launch), blocks completing on the way
+    steps = [{0: (0, 17), 1: (0, 22), 2: (0, 9)}, {0: (17, 40), 1: (22, 23), 2: (9, 10)},
+             {0: (40, 41), 1: (23, 24), 2: (10, 11)}, {0: (41, 42), 1: (24, 25), 2: (11, 12)}]
+    for calls in steps:
+        key, val, pos, pid = _batch(kv, calls, tables, lc.block_size)
+        n = key.shape[0]
+        q = _randn(g, n, H * GQ, 64).to(lc.dtype)
+        qsl = torch.tensor([0] + [b - a for a, b in calls.values()]).cumsum(0)
+        sl = torch.tensor([b for _, b in calls.values()])
+        bt = tables[list(calls)]
+        want = reference.forward(lc, ref, q, key, val, qsl, sl, bt, pos, pid, 0.125, batch_invariant=False)
+        got = triton_path.forward(lc, pages, q, key, val, qsl, sl, bt, pos, pid, 0.125, batch_invariant=False)
+        assert (got.float() - want.float()).abs().max() <= _tol(lc.dtype) * max(1.0, want.float().abs().max().item())
+        assert torch.equal(pages, ref), calls
+    os.environ["VLLM_TEMPORALKV_OPS"] = "triton"
+    try:
+        mod, name = select(lc, torch.device(DEVICE))
+        assert mod is triton_path and name.startswith("Triton ("), name
+        windowed = make_cache("temporalkv-2bit", 64, False, torch.bfloat16, 1)
+        windowed.layout = PageLayout(get_format("temporalkv-2bit"), 64, 32, window=8)
+        mod, name = select(windowed, torch.device(DEVICE))
+        assert mod is reference and "recent window" in name, name
+    finally:
+        del os.environ["VLLM_TEMPORALKV_OPS"]

@@ -7,8 +7,9 @@
             scale, out=None, batch_invariant=...)   # a layer's step: attention + cache update
 
 ``paged_torch`` (plain torch) is the oracle and the fallback everywhere; ``cpu`` runs the C++ kernels
-of csrc/; ``triton_encode`` / ``triton_decode`` are the CUDA kernels (tested in the interpreter, not
-yet dispatched: issue "The CUDA path for real").  ``select`` picks one per layer cache.
+of csrc/; ``triton_path`` runs the Triton kernels (``triton_encode`` / ``triton_decode``) on CUDA, and on the
+CPU in Triton's interpreter when asked (``VLLM_TEMPORALKV_OPS=triton`` with ``TRITON_INTERPRET=1``: how CI tests
+the wiring without a GPU).  ``select`` picks one per layer cache.
 """
 
 from __future__ import annotations
@@ -16,16 +17,36 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-ENV_PATH = "VLLM_TEMPORALKV_OPS"  # "torch" forces the torch path (a diagnostic / the oracle)
+ENV_PATH = "VLLM_TEMPORALKV_OPS"  # "torch" forces the torch path (a diagnostic / the oracle); "triton" the Triton one
+
+
+def _triton(lc):
+    """(the Triton path module, None) or (None, why not)."""
+    try:
+        from . import triton_path
+    except ImportError as e:
+        return None, f"triton not importable: {e}"
+    if not triton_path.supports(lc):
+        return None, "the Triton kernels serve codebook codes without a recent window, in a half-precision model"
+    return triton_path, None
 
 
 def select(lc, device) -> tuple[ModuleType, str]:
     """(ops module, a name for logs) for a layer cache on ``device``."""
     from . import paged_torch
 
-    if os.environ.get(ENV_PATH, "").lower() == "torch":
+    forced = os.environ.get(ENV_PATH, "").lower()
+    if forced == "torch":
         return paged_torch, f"torch ({ENV_PATH}=torch)"
-    if getattr(device, "type", str(device)) == "cpu":
+    dev = getattr(device, "type", str(device))
+    if dev == "cuda" or forced == "triton":
+        if forced == "triton" and dev != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return paged_torch, f"torch ({ENV_PATH}=triton without a GPU needs TRITON_INTERPRET=1)"
+        mod, why = _triton(lc)
+        if mod is not None:
+            return mod, f"Triton ({mod.mode()})"
+        return paged_torch, f"torch ({why})"
+    if dev == "cpu":
         from . import cpu
 
         if cpu.supports(lc):

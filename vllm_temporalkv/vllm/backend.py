@@ -11,9 +11,11 @@ pages, and its new tokens attend to themselves exactly (fresh K/V) - then the ne
 first matters: writing a step's tokens can reuse the tail slots the context still needs (the C++
 path writes a prefill chunk first, having read those slots, so that its blocks are encoded once).
 
-``ops.select`` picks the kernels per layer: the C++ kernels of csrc/ on the CPU (ops/cpu.py), the
-torch path (ops/paged_torch.py: the oracle) elsewhere and as the fallback; the Triton kernels
-(ops/triton_*.py) are not yet dispatched on CUDA.
+``ops.select`` picks the kernels per layer: the C++ kernels of csrc/ on the CPU (ops/cpu.py), the Triton
+kernels on CUDA (ops/triton_path.py: decodes in one Triton launch, prefill chunks on the torch attention, the
+store by the Triton encoder; on the CPU too, in Triton's interpreter, when ``VLLM_TEMPORALKV_OPS=triton``), and
+the torch path (ops/paged_torch.py: the oracle) as the fallback.  Not yet: CUDA graphs, a Triton prefill kernel,
+metadata without host tensors (issue "The CUDA path for real").
 """
 
 from __future__ import annotations
