@@ -14,9 +14,9 @@ exact tokens (sinks, windows) in 16 bits; QJL's shared sketch matrices are per m
 
 from __future__ import annotations
 
-import torch
-
 import dataclasses
+
+import torch
 
 from vllm_temporalkv.codecs import qjl
 from vllm_temporalkv.codecs.tada import CANDIDATE_BITS, TadaQuantizer, search_layer_bits

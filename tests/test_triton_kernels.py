@@ -174,7 +174,7 @@ def test_reference_tail_reuse_regression():
     assert torch.equal(V, EV)
 
 
-def test_triton_path_forward_serves_mixed_batches():
+def test_triton_path_forward_serves_mixed_batches(monkeypatch):
     """ops.triton_path.forward, what the backend calls on CUDA (here in the interpreter): steps mixing prefill
     chunks and decodes - decodes through the Triton decode kernel, prefills on the torch attention, every token
     stored by the Triton encoder - give the torch path's outputs (within the dtype's tolerance) and the same pages
@@ -201,13 +201,10 @@ def test_triton_path_forward_serves_mixed_batches():
         got = triton_path.forward(lc, pages, q, key, val, qsl, sl, bt, pos, pid, 0.125, batch_invariant=False)
         assert (got.float() - want.float()).abs().max() <= _tol(lc.dtype) * max(1.0, want.float().abs().max().item())
         assert torch.equal(pages, ref), calls
-    os.environ["VLLM_TEMPORALKV_OPS"] = "triton"
-    try:
-        mod, name = select(lc, torch.device(DEVICE))
-        assert mod is triton_path and name.startswith("Triton ("), name
-        windowed = make_cache("temporalkv-2bit", 64, False, torch.bfloat16, 1)
-        windowed.layout = PageLayout(get_format("temporalkv-2bit"), 64, 32, window=8)
-        mod, name = select(windowed, torch.device(DEVICE))
-        assert mod is reference and "recent window" in name, name
-    finally:
-        del os.environ["VLLM_TEMPORALKV_OPS"]
+    monkeypatch.setenv("VLLM_TEMPORALKV_OPS", "triton")
+    mod, name = select(lc, torch.device(DEVICE))
+    assert mod is triton_path and name.startswith("Triton ("), name
+    windowed = make_cache("temporalkv-2bit", 64, False, torch.bfloat16, 1)
+    windowed.layout = PageLayout(get_format("temporalkv-2bit"), 64, 32, window=8)
+    mod, name = select(windowed, torch.device(DEVICE))
+    assert mod is reference and "recent window" in name, name

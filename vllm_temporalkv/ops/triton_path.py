@@ -62,7 +62,7 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
             out[rows] = decode_attention(lc, pages, query[rows], key[rows], value[rows],
                                          torch.arange(dec.numel() + 1, device=dev), seq_lens[dec].to(dev),
                                          block_tables[dec.to(block_tables.device)], scale).to(out.dtype)
-        rest = (~one & (qlen > 0)).nonzero().flatten().tolist()
+        rest = (~one).nonzero().flatten().tolist()  # prefill chunks (paged_attention skips empty ones)
         paged_torch.paged_attention(lc, pages, query, key, value, qsl, seq_lens, block_tables, scale, out,
                                     batch_invariant=False, requests=rest)
     write_kv(lc, pages, key, value, positions, page_ids)
