@@ -134,8 +134,12 @@ class Simulator:
         self.stash: dict[tuple[int, str], torch.Tensor] = {}
         if fmt is not None:
             self.window = window_of(fmt, ablation)
-            if not get_format(fmt).needs_calibration:
-                pair = calibration_free_quantizers(get_format(fmt))
+            f = get_format(fmt)
+            if f.per_layer_pages:  # QJL: per-layer sketches, keys rotated by the model's RoPE - built in bind()
+                self.qs, self._free = {}, f
+                return
+            if not f.needs_calibration:
+                pair = calibration_free_quantizers(f)
                 self.qs = collections.defaultdict(lambda: pair)  # the same (stateless) pair for every layer
                 return
             src = art_unweighted if "unweighted" in parts else art
@@ -143,6 +147,17 @@ class Simulator:
             if "pure-temporal" in parts:
                 methods = {kv: ["temporal"] * art.num_layers for kv in "kv"}
             self.qs = src.quantizers(fmt, outliers=outliers, layer_methods=methods)
+
+    def bind(self, hf_config) -> None:
+        """The model's facts a per-layer format needs (token_nlls calls it): QJL's quantizers per layer."""
+        f = getattr(self, "_free", None)
+        if f is not None and not self.qs:
+            from vllm_temporalkv.artifact import model_fingerprint
+            from vllm_temporalkv.rope import Rope
+
+            fp, rope = model_fingerprint(hf_config), Rope(hf_config)
+            self.qs = {i: calibration_free_quantizers(f, head_dim=fp["head_dim"], layer=i, rope=rope)
+                       for i in range(fp["num_layers"])}
 
     def __call__(self, layer: int, kind: str, out: torch.Tensor) -> torch.Tensor:
         x = out.to(KV_DTYPE)
@@ -208,6 +223,8 @@ def needle_attention(scores: torch.Tensor, span: list[int]) -> dict[str, list[fl
 @torch.no_grad()
 def token_nlls(model, ids: torch.Tensor, hook) -> torch.Tensor:
     """Next-token NLL of every token of ids [T] after the first ([T - 1], float32) under a hook."""
+    if hasattr(hook, "bind"):
+        hook.bind(model.config)
     if getattr(hook, "protocol", "thesis") == "causal":
         from transformers import AttentionInterface
 
@@ -323,7 +340,8 @@ def run(args) -> dict:
             sim = Simulator(name, art, unweighted, args.protocol)
             fmt, outliers, ablation = parse_config(name)
             bits = (bits_per_float(get_format(fmt), fp["head_dim"], args.seq_len, outliers, window_of(fmt, ablation),
-                                   num_kv_heads=fp["num_kv_heads"]) if fmt else {"total": 16.0})
+                                   num_kv_heads=fp["num_kv_heads"], num_layers=fp["num_layers"])
+                    if fmt else {"total": 16.0})
         nll, n = window_nll(model, windows, sim)
         res[name] = {"ppl": math.exp(nll / n), "nll": nll / n, "tokens": n, "seconds": round(time.time() - t0, 1),
                      "bits": bits, "command": run_record()["command"], **extra}
@@ -379,9 +397,9 @@ def write_markdown(report: dict, path: Path) -> None:
                 f"| {bits} | {f} | {res[f]['ppl']:.3f} | {o.get('ppl', float('nan')):.3f} | "
                 f"{res[f]['bits']['total']:.3f} | {o.get('bits', {}).get('total', float('nan')):.3f} | {cb:.2f} MiB |"
             )
-    seeds = [n for n in res if is_seed_config(n) or (_family(n) in ("selective", "tada") and "@" not in n)]
+    seeds = [n for n in res if is_seed_config(n) or (_family(n) in ("selective", "tada", "qjl") and "@" not in n)]
     if seeds:
-        lines += ["", "## Seed methods: selective and TaDA (served, no calibration), TaDA with per-layer bits and QJL "
+        lines += ["", "## Seed methods: selective, TaDA and QJL (served, no calibration), TaDA with per-layer bits "
                   f"(simulated, benchmarks/quality_seeds.py); all-in bits at {ctx} tokens, windows included", "",
                   "| method | ppl | bits/float K | bits/float V | bits/float |", "|---|---|---|---|---|"]
         for n in sorted(seeds, key=lambda n: -res[n]["bits"]["total"]):

@@ -1,15 +1,13 @@
-"""The seed configurations not served - TaDA with per-layer bits (seed 004), QJL (002) - in the quality harness's
-thesis protocol, on equal terms with the served formats (selective sink+recent quantization, seed 003, and TaDA
-at uniform bits are served: formats, simulated by the harness's format Simulator).
+"""The seed configuration not served - TaDA with per-layer bits (seed 004) - in the quality harness's thesis
+protocol, on equal terms with the served formats (selective sink+recent quantization, seed 003, TaDA at uniform
+bits and QJL, seed 002, are served: formats, simulated by the harness's format Simulator).
 
 As for the formats, every query sees the cache as it stands once the whole window has been written: what the
-method keeps exact at that point (sinks, recent window, residual buffer) stays exact, the rest is compressed
-and decompressed in place of the model's pre-RoPE K / V (hooks on the projections; RoPE is applied after).
-QJL never reconstructs a key: its keys are replaced by the surrogate k_hat whose dot product with any query is
-QJL's score estimate (codecs/qjl.py), sketched post-RoPE as in the official code and rotated back.
+method keeps exact at that point (sinks, recent window) stays exact, the rest is compressed and decompressed in
+place of the model's pre-RoPE K / V (hooks on the projections; RoPE is applied after).
 
-Bits per float are all-in at the window's length: codes, scales, minimums, norms, means, sketches, and the
-exact tokens (sinks, windows) in 16 bits; QJL's shared sketch matrices are per model, like centroids.
+Bits per float are all-in at the window's length: codes, scales, minimums, means, and the exact tokens (sinks,
+windows) in 16 bits.
 """
 
 from __future__ import annotations
@@ -18,15 +16,13 @@ import dataclasses
 
 import torch
 
-from vllm_temporalkv.codecs import qjl
 from vllm_temporalkv.codecs.tada import CANDIDATE_BITS, TadaQuantizer, search_layer_bits
 from vllm_temporalkv.formats import TADA_WINDOW, get_format
 from vllm_temporalkv.layout import bits_per_float
 
-# name -> (method, bits of the compressed values); QJL's bits follow from its sketch sizes
-SEED_CONFIGS: dict[str, tuple[str, int | None]] = {
+# name -> (method, average bits of the compressed values)
+SEED_CONFIGS: dict[str, tuple[str, int]] = {
     "tada-mixed-3bit": ("tada", 3),  # per-layer bits in {2, 4, 8}, 3 on average: the paper's search (layer_bits)
-    "qjl": ("qjl", None),
 }
 
 
@@ -67,10 +63,8 @@ class SeedSimulator:
 
     protocol = "thesis"
 
-    def __init__(self, name: str, hf_config, kv_dtype: torch.dtype, seed: int = 0,
-                 layer_bits: list[int] | None = None):
+    def __init__(self, name: str, hf_config, kv_dtype: torch.dtype, layer_bits: list[int] | None = None):
         from vllm_temporalkv.hf_hooks import check_supported
-        from vllm_temporalkv.rope import Rope
 
         check_supported(hf_config)
         self.method, bits = SEED_CONFIGS[name]
@@ -79,17 +73,10 @@ class SeedSimulator:
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         self.kv_heads = hf_config.num_key_value_heads or heads
         self.layers = hf_config.num_hidden_layers
-        if self.method == "tada":
-            if is_mixed(name) and layer_bits is None:
-                raise ValueError(f"{name} needs its per-layer bits (tada_layer_bits)")
-            self.layer_bits = layer_bits or [bits] * self.layers
-            self.codecs = {b: TadaQuantizer(b) for b in set(self.layer_bits)}
-        else:
-            self.rope = Rope(hf_config)
-            # one S per sketch size, shared by every head and layer using it (official code)
-            self.dims = [qjl.default_sketch_dims(self.head_dim, layer) for layer in range(self.layers)]
-            self.S = {m: qjl.sketch_matrix(self.head_dim, m, seed=seed + i)
-                      for i, m in enumerate(sorted({m for m, _ in self.dims}))}
+        if is_mixed(name) and layer_bits is None:
+            raise ValueError(f"{name} needs its per-layer bits (tada_layer_bits)")
+        self.layer_bits = layer_bits or [bits] * self.layers
+        self.codecs = {b: TadaQuantizer(b) for b in set(self.layer_bits)}
 
     def __call__(self, layer: int, kind: str, out: torch.Tensor) -> torch.Tensor:
         x = out.to(self.kv_dtype)  # the cache's half precision, as for the formats
@@ -97,33 +84,11 @@ class SeedSimulator:
 
     def _one(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
         """One sequence [T, H, D] of pre-RoPE keys or values -> what attention sees, float32."""
-        if self.method == "tada":
-            return self.codecs[self.layer_bits[layer]].fake_quant(x, window=TADA_WINDOW).float()
-        T = x.shape[0]
-        out = x.float().clone()
-        if kind == "v":
-            mask = qjl.qjl_recent_mask(T, qjl.WINDOW)
-            out[mask] = qjl.roundtrip_values(x[mask]).float()
-            return out
-        n = int(qjl.qjl_recent_mask(T, qjl.WINDOW, block=True).sum())  # keys flushed in whole blocks
-        if n:
-            m, m_o = self.dims[layer]
-            pos = torch.arange(n, device=x.device)
-            post = self.rope.apply(x[:n], pos).to(x.dtype)  # keys as the model's cache would hold them
-            k_hat = qjl.key_surrogate(qjl.encode_keys(post, self.S[m], m_o), self.S[m])
-            out[:n] = self.rope.invert(k_hat, pos)
-        return out
+        return self.codecs[self.layer_bits[layer]].fake_quant(x, window=TADA_WINDOW).float()
 
     def bits(self, seq_len: int) -> dict[str, float]:
         """All-in bits per float at seq_len tokens (module docstring); 'total' as for the formats."""
         D, H, T = self.head_dim, self.kv_heads, seq_len
-        if self.method == "tada":  # as the served formats count (sinks and the window in 16 bits)
-            k = v = sum(bits_per_float(tada_format(b), D, T, num_kv_heads=H)["total"]
-                        for b in self.layer_bits) / self.layers
-        else:
-            nk = int(qjl.qjl_recent_mask(T, qjl.WINDOW, block=True).sum())
-            nv = int(qjl.qjl_recent_mask(T, qjl.WINDOW).sum())
-            per = [qjl.bits_per_float(D, m, m_o) for m, m_o in self.dims]
-            k = sum((nk * b.k + (T - nk) * 16) / T for b in per) / len(per)
-            v = sum((nv * b.v + (T - nv) * 16) / T for b in per) / len(per)
+        # as the served formats count (sinks and the window in 16 bits)
+        k = v = sum(bits_per_float(tada_format(b), D, T, num_kv_heads=H)["total"] for b in self.layer_bits) / self.layers
         return {"k": k, "v": v, "total": (k + v) / 2}

@@ -114,10 +114,9 @@ def test_quality_harness_protocol(tiny_artifact, smollm2_dir, tmp_path):
 
 
 def test_quality_harness_seed_methods(smollm2_dir, tmp_path):
-    """Selective (a served format: the harness's format Simulator), TaDA and QJL in the thesis protocol: their
-    exact tokens stay bit-exact, the rest is changed, fewer bits cost more NLL, and QJL's key surrogate gives
-    attention its score estimate."""
-    from benchmarks.quality_seeds import SEED_CONFIGS, SeedSimulator, is_mixed
+    """The seed methods in the thesis protocol (the format Simulator, as served): their exact tokens stay
+    bit-exact, the rest is changed, fewer bits cost more NLL, and QJL's key surrogate gives attention its score
+    estimate."""
     from benchmarks.quality import Simulator, window_nll
     from vllm_temporalkv.layout import bits_per_float
     from vllm_temporalkv.codecs import qjl
@@ -127,31 +126,35 @@ def test_quality_harness_seed_methods(smollm2_dir, tmp_path):
 
     model = load_hf_model(smollm2_dir)
     cfg = model.config
-    sims = {n: SeedSimulator(n, cfg, torch.bfloat16) for n in SEED_CONFIGS if not is_mixed(n)}
-    served = ("selective-int8", "selective-int4", "tada-4bit", "tada-2bit")
-    sims.update({n: Simulator(n, None, None) for n in served})
+    served = ("selective-int8", "selective-int4", "tada-4bit", "tada-2bit", "qjl")
+    sims = {n: Simulator(n, None, None) for n in served}
+    sims["qjl"].bind(cfg)  # per-layer sketches and the model's RoPE (token_nlls binds every hook it runs)
     x = torch.randn(1, 300, 3, 64)
     xb = x.bfloat16().float()
     for n, sim in sims.items():
         for kind in "kv":
             y = sim(3, kind, x)
-            # 300 tokens: the served formats (selective, TaDA) keep 8 sinks + the last 128..135 (whole blocks: from
-            # 168), QJL its key blocks of 128 (300 - 256) and 128 recent values
-            method = getattr(sim, "method", "served")
-            exact = {"served": torch.cat([torch.arange(8), torch.arange(168, 300)])}.get(
-                method, torch.arange(256 if kind == "k" else 172, 300))
-            assert torch.equal(y[0, exact], xb[0, exact]), (n, kind)
+            # 300 tokens: every served method keeps 8 sinks + the last 128..135 (whole blocks: from 168); QJL keeps
+            # keys as served, post-RoPE in half precision (rotated back here for the hooks)
+            exact = torch.cat([torch.arange(8), torch.arange(168, 300)])
+            if n == "qjl" and kind == "k":
+                rope = Rope(cfg)
+                post = rope.apply(xb[0], torch.arange(300)).bfloat16().float()
+                torch.testing.assert_close(rope.apply(y[0], torch.arange(300))[exact], post[exact], rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(y[0, exact], xb[0, exact]), (n, kind)
             comp = torch.ones(300, dtype=torch.bool)
             comp[exact] = False
-            assert (y[0, comp] != xb[0, comp]).any(), (n, kind)
-    # QJL: <rope(q), rope(k_hat)> is the estimator on the post-RoPE keys, position by position
-    sim = sims["qjl"]
-    y = sim(20, "k", x)[0, :256]
-    rope, pos = Rope(cfg), torch.arange(256)
-    m, m_o = sim.dims[20]
-    enc = qjl.encode_keys(rope.apply(xb[0, :256], pos).bfloat16(), sim.S[m], m_o)
+            assert ((y[0, comp] - xb[0, comp]).abs() > 1e-3).any(), (n, kind)
+    # QJL: <rope(q), rope(k_hat)> is the estimator on the post-RoPE keys (outlier channels per 8-token block, as
+    # served), position by position
+    kq = sims["qjl"].qs[20][0]
+    y = sims["qjl"](20, "k", x)[0, 8:168]
+    rope, pos = Rope(cfg), torch.arange(8, 168)
+    enc = qjl.encode_keys(rope.apply(xb[0, 8:168], pos).bfloat16().float(), kq.S, kq.m_o, group_size=8)
+    enc.norm, enc.outlier_norm = enc.norm.half(), enc.outlier_norm.half()  # as the pages keep them
     q = torch.randn(1, 3, 64)
-    want = qjl.attention_logits(q, enc, sim.S[m], scale=1.0)[0]  # [H, T]
+    want = qjl.attention_logits(q, enc, kq.S, scale=1.0)[0]  # [H, T]
     got = (rope.apply(y, pos) * q).sum(-1).T
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
     # through the model: all compress, lower bits cost more
@@ -160,9 +163,8 @@ def test_quality_harness_seed_methods(smollm2_dir, tmp_path):
     base = window_nll(model, ids, lambda layer, kind, out: out.to(torch.bfloat16).to(out.dtype))[0]
     assert all(v > base for v in nll.values()), (nll, base)
     assert nll["selective-int4"] > nll["selective-int8"] and nll["tada-2bit"] > nll["tada-4bit"], nll
-    bits = {n: s.bits(2048)["total"] for n, s in sims.items() if n in SEED_CONFIGS}
-    bits.update({n: bits_per_float(get_format(n), 64, 2048, num_kv_heads=3)["total"] for n in served})
-    assert bits["selective-int8"] > bits["selective-int4"] > 4 and bits["tada-4bit"] > bits["tada-2bit"], bits
+    bits = {n: bits_per_float(get_format(n), 64, 2048, num_kv_heads=3, num_layers=30)["total"] for n in served}
+    assert bits["selective-int8"] > bits["selective-int4"] > bits["qjl"] > 4 and bits["tada-4bit"] > bits["tada-2bit"], bits
 
 
 def test_tada_layer_bits_search(smollm2_dir):

@@ -37,10 +37,11 @@ def server_2bit(smollm2_dir, tiny_artifact):
         yield s
 
 
-@pytest.fixture(scope="module", params=["selective-int4", "tada-2bit"])
+@pytest.fixture(scope="module", params=["selective-int4", "tada-2bit", "qjl"])
 def server_free(smollm2_dir, request):
-    """The formats that need no calibration (no artifact anywhere), on the torch path: selective-int4 (seed 003)
-    and tada-2bit (seed 004: the head mean split across the heads' records), with the recent-window option at 16
+    """The formats that need no calibration (no artifact anywhere), on the torch path: selective-int4 (seed 003),
+    tada-2bit (seed 004: the head mean split across the heads' records) and qjl (seed 002: post-RoPE key sketches,
+    pages of two sizes - the first 15 layers' sketch is larger), with the recent-window option at 16
     tokens (their default 128 hides most of the loss on a 1500-token text: selective-int4 +0.007 nats, the size of
     bf16 rounding; at 16, +0.035); 256-token steps chunk long prompts across the window and the page boundary.
     float32: a bf16 model's rounding, amplified by the int4 steps, moved selective-int4's NLL by 0.013 on an AMD
@@ -111,7 +112,8 @@ def hf_nll(smollm2_dir, tiny_artifact, austen_ids):
     art = Artifact.load(tiny_artifact)
     x = torch.tensor(emma_text(ids))
     out = {name: float(token_nlls(model, x, Simulator(name, art, None, "causal"))[7:].mean())
-           for name in ("bf16", "temporalkv-2bit", "temporalkv-4bit", "selective-int4@window16", "tada-2bit@window16")}
+           for name in ("bf16", "temporalkv-2bit", "temporalkv-4bit", "selective-int4@window16", "tada-2bit@window16",
+                         "qjl@window16")}
     model.set_attn_implementation("eager")
     with torch.no_grad():
         out["bf16_top1"] = model(x[None]).logits[0, :-1].argmax(-1)  # predictions for tokens 1..T-1
@@ -214,10 +216,11 @@ def test_server_scores_like_reference_codecs(server_2bit, server_4bit, austen_id
 
 
 def test_calibration_free_format_serves_as_its_codec(server_free, austen_ids, hf_nll, smollm2_dir):
-    """selective-int4 and tada-2bit: served without any artifact; the server's scoring of 1500 tokens matches the
-    codec under the serving semantics (the recent window exact, older blocks compressed; a server without the
+    """selective-int4, tada-2bit and qjl: served without any artifact; the server's scoring of 1500 tokens matches
+    the codec under the serving semantics (the recent window exact, older blocks compressed; a server without the
     window or without compression misses by > 0.02 nats), greedy text is sensible, and vLLM's KV capacity is what
-    the page layout says (TaDA's: with each head's share of the per-token head mean)."""
+    the page layout says (TaDA's: with each head's share of the per-token head mean; QJL's: each layer's own page
+    size)."""
     from transformers import AutoConfig
 
     from vllm_temporalkv.formats import get_format
@@ -236,8 +239,9 @@ def test_calibration_free_format_serves_as_its_codec(server_free, austen_ids, hf
     assert abs(nll - ref) < 0.015
     assert nll > hf_nll["bf16"] + 0.03  # compression in effect (a server without the window: > 0.02 off the codec)
     cfg = AutoConfig.from_pretrained(smollm2_dir)
-    lay = PageLayout(get_format(fmt), 64, 1024, window=16, num_kv_heads=cfg.num_key_value_heads)
-    pages = 2**30 // (cfg.num_hidden_layers * cfg.num_key_value_heads * lay.bytes)
+    record = sum(PageLayout(get_format(fmt), 64, 1024, window=16, num_kv_heads=cfg.num_key_value_heads, layer=i).bytes
+                 for i in range(cfg.num_hidden_layers))  # a page of every layer
+    pages = 2**30 // (cfg.num_key_value_heads * record)
     assert server_free.kv_capacity_tokens() == pages * 1024
     log = server_free.log()
     assert "no calibration needed (recent window 16 tokens)" in log

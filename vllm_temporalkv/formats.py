@@ -15,6 +15,9 @@ and two format families need no calibration at all:
   with an fp16 absmax scale, behind a recent window of ``window`` tokens kept in half precision.
 * ``tada`` (seed 004, TaDA): per token the mean over the KV heads in 16 bits, each head's deviation from it
   asymmetric 4 / 2-bit (an fp16 scale + min per 128 channels), behind a recent window (the paper's residual).
+* ``qjl`` (seed 002, QJL): keys as 1-bit JL sketches of the post-RoPE key + norms (a larger sketch in the first
+  15 layers: its pages differ per layer, ``per_layer_pages``), values asymmetric 2-bit per 32 channels, behind a
+  128-token recent window (the official code's buffer).  K and V are laid out differently (layout.PageLayout).
 
 Shared by all formats (so they are compared on equal terms):
 * ``SINK_TOKENS`` first tokens of every sequence stay in half precision (attention sinks);
@@ -38,8 +41,12 @@ OUTLIER_FRACTION = 0.01
 OUTLIER_QUANTILES = (0.005, 0.995)
 SELECTIVE_WINDOW = 128  # the selective paper leaves its window open; the quality harness's too
 TADA_WINDOW = 128  # TaDA's residual buffer R on LongBench (seed 004 §4.1; codecs/tada.py)
+QJL_WINDOW = 128  # QJL's buffer_size in the official code (codecs/qjl.py WINDOW)
+QJL_VALUE_GROUP = 32  # QJL's value group (codecs/qjl.py VALUE_GROUP)
+QJL_INITIAL_LAYERS = 15  # QJL's initial_layers_count: these layers get a larger key sketch (layout.qjl_sketch_dims)
+QJL_OUTLIERS = 8  # QJL's outlier channels per group of tokens
 
-METHODS = ("temporal", "channel", "scalar", "selective", "tada")
+METHODS = ("temporal", "channel", "scalar", "selective", "tada", "qjl")
 CODEBOOK_METHODS = ("temporal", "channel", "scalar")  # calibrated: codebooks in an artifact
 
 
@@ -59,6 +66,11 @@ class KVFormat:
     def needs_calibration(self) -> bool:
         """Codebook formats serve from a calibration artifact; the others need none."""
         return self.method in CODEBOOK_METHODS
+
+    @property
+    def per_layer_pages(self) -> bool:
+        """Whether a layer's page record size depends on the layer (QJL's larger sketch in its first layers)."""
+        return self.method == "qjl"
 
     @property
     def code_layout(self):
@@ -100,6 +112,8 @@ def _build() -> dict[str, KVFormat]:
                                                window=SELECTIVE_WINDOW)
     for bits in (4, 2):  # uniform deviation bits; the paper's per-layer mix is the quality harness's (tada-mixed-3bit)
         out[f"tada-{bits}bit"] = KVFormat(f"tada-{bits}bit", "tada", bits, 1, 2**bits, window=TADA_WINDOW)
+    # bits_per_float / n_centroids: the values' 2-bit codes; the keys' sketch bits are the layout's (key_block_bytes)
+    out["qjl"] = KVFormat("qjl", "qjl", 2, 1, 4, window=QJL_WINDOW)
     return out
 
 
@@ -156,6 +170,9 @@ def check_head_dim(fmt: KVFormat, head_dim: int) -> None:
     if fmt.method in ("selective", "tada") and head_dim % per_byte:
         raise FormatError(f"{fmt.name} packs {per_byte} codes per byte and needs a head_dim divisible by {per_byte}, "
                           f"got {head_dim}")
+    if fmt.method == "qjl" and head_dim % QJL_VALUE_GROUP:
+        raise FormatError(f"{fmt.name} quantizes values in groups of {QJL_VALUE_GROUP} channels: head_dim {head_dim} "
+                          f"must be a multiple of {QJL_VALUE_GROUP}")
     if fmt.method == "tada" and head_dim > 128 and head_dim % 128:
         raise FormatError(f"{fmt.name} keeps a scale and a min per 128 channels: head_dim {head_dim} must be a "
                           "multiple of 128 (or at most 128)")

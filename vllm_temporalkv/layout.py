@@ -18,7 +18,8 @@ import dataclasses
 
 import torch
 
-from .formats import BLOCK_TOKENS, SINK_TOKENS, KVFormat, outlier_cap
+from .formats import (BLOCK_TOKENS, QJL_INITIAL_LAYERS, QJL_OUTLIERS, QJL_VALUE_GROUP, SINK_TOKENS, KVFormat,
+                      outlier_cap)
 
 HALF_BITS = 16
 OUTLIER_SLOT_BITS = HALF_BITS + 16  # value + position inside the block
@@ -29,18 +30,29 @@ def outlier_bits_per_float(head_dim: int) -> float:
 
 
 def bits_per_float(fmt: KVFormat, head_dim: int, context: int, outliers: bool = False,
-                   window: int | None = None, num_kv_heads: int | None = None) -> dict[str, float]:
+                   window: int | None = None, num_kv_heads: int | None = None,
+                   num_layers: int | None = None) -> dict[str, float]:
     """Average bits per cached K/V float for one sequence of ``context`` tokens (the sequence's own
     cost: a page's fixed region is PageLayout's business).  ``num_kv_heads``: for formats that share a
-    per-token mean across the KV heads (TaDA)."""
+    per-token mean across the KV heads (TaDA); ``num_layers``: for formats whose pages differ per layer (QJL:
+    the average over the layers)."""
     window = fmt.window if window is None else window
     cl = fmt.code_layout
     n_sink = min(SINK_TOKENS, context)
     tail = min(window + (BLOCK_TOKENS - 1) / 2, max(0, context - n_sink))
     coded = max(0.0, context - n_sink - tail)
+    if fmt.per_layer_pages and not num_layers:
+        raise ValueError(f"{fmt.name}'s pages differ per layer: pass num_layers")
+    layers = range(num_layers) if fmt.per_layer_pages else [None]
+    code = scale = 0.0
+    for layer in layers:
+        for kind in "kv":  # K and V hold the same number of floats
+            nbytes, params = kind_geometry(fmt, kind, head_dim, layer)
+            code += 8 * nbytes / (BLOCK_TOKENS * head_dim) / (2 * len(layers))
+            scale += HALF_BITS * params / head_dim / (2 * len(layers))
     parts = {
-        "codes": cl.bits_per_float() * coded / context,
-        "scales": cl.scale_bits_per_float(head_dim) * coded / context,
+        "codes": code * coded / context,
+        "scales": scale * coded / context,
         "means": cl.mean_bits_per_float(head_dim, num_kv_heads) * coded / context,
         "outliers": (outlier_bits_per_float(head_dim) * coded / context) if outliers else 0.0,
         "sinks": HALF_BITS * n_sink / context,
@@ -159,6 +171,9 @@ _GEOMETRY = {
     "selective": lambda l: (1, 1, 1, dict(row_scales=1)),  # one value; an absmax scale per (token, KV head)
     # one value: its deviation from the token's head mean; a scale and a min per (token, KV head, 128 channels)
     "tada": lambda l: (1, 1, 1, dict(row_scales=2, scale_group=TADA_GROUP, head_mean=True)),
+    # QJL's values (its keys are sketches, not codes: key_block_bytes): one value, a scale and a min per
+    # (token, KV head, 32 channels)
+    "qjl": lambda l: (1, 1, 1, dict(row_scales=2, scale_group=QJL_VALUE_GROUP)),
 }
 
 
@@ -208,11 +223,40 @@ def code_bytes_per_block(fmt: KVFormat, head_dim: int) -> int:
     return code_layout(fmt.method, fmt.chunk, fmt.n_centroids).block_bytes(head_dim)
 
 
+def qjl_sketch_dims(head_dim: int, layer: int | None = None, initial_layers: int = QJL_INITIAL_LAYERS) -> tuple[int, int]:
+    """QJL's sketch sizes (m, m_outlier).  The official code at D=128: (256, 256) in general layers and (512, 128)
+    in the first 15; other head dims keep the same sign bits per channel [our inference]: (2D, 2D) and (4D, D)."""
+    if layer is not None and layer < initial_layers:
+        return 4 * head_dim, head_dim
+    return 2 * head_dim, 2 * head_dim
+
+
+def qjl_key_block_bytes(head_dim: int, layer: int) -> int:
+    """Page bytes of one block of BLOCK_TOKENS QJL keys of one KV head: sign bits of the inlier sketch (m) and of
+    the outlier sketch (m_o) per token, ||k|| and ||k_out|| in fp16 per token, the block's outlier channels
+    (codecs/qjl.py QJLKeyQuantizer lays them out)."""
+    m, m_o = qjl_sketch_dims(head_dim, layer)
+    return BLOCK_TOKENS * (m // 8 + m_o // 8 + 4) + QJL_OUTLIERS
+
+
+def kind_geometry(fmt: KVFormat, kind: str, head_dim: int, layer: int | None = None) -> tuple[int, int]:
+    """(code bytes per block, fp16 parameters per token) of K ("k") or V ("v") in one KV head's record.  The same
+    for K and V but for QJL, whose keys are sketches (qjl_key_block_bytes: larger in the first layers, so its pages
+    need the layer)."""
+    if fmt.method == "qjl" and kind == "k":
+        if layer is None:
+            raise ValueError(f"{fmt.name}'s key pages differ per layer: pass layer")
+        return qjl_key_block_bytes(head_dim, layer), 0
+    cl = fmt.code_layout
+    return cl.block_bytes(head_dim), cl.scales_per_row(head_dim)
+
+
 class PageLayout:
-    """Byte offsets inside one (page, KV head) record; shared by the torch path and kernels."""
+    """Byte offsets inside one (page, KV head) record; shared by the torch path and kernels.  ``layer``: for a
+    format whose pages differ per layer (``KVFormat.per_layer_pages``: QJL)."""
 
     def __init__(self, fmt: KVFormat, head_dim: int, block_size: int, outliers: bool = False,
-                 window: int | None = None, num_kv_heads: int | None = None):
+                 window: int | None = None, num_kv_heads: int | None = None, layer: int | None = None):
         from .formats import check_window
 
         if block_size % BLOCK_TOKENS or block_size < 2 * BLOCK_TOKENS:
@@ -227,9 +271,14 @@ class PageLayout:
         D = head_dim
         cl = fmt.code_layout
         self.blocks = block_size // BLOCK_TOKENS  # encode blocks per page
-        self.code_bytes = code_bytes_per_block(fmt, D)
-        self.scale_bytes = cl.scale_bytes(D)
-        self.scales_per_row = cl.scales_per_row(D)
+        self.layer = layer
+        (kc, ks), (vc, vs) = (kind_geometry(fmt, kind, D, layer) for kind in "kv")
+        self.kind_code_bytes = {"k": kc, "v": vc}
+        self.kind_scales_per_row = {"k": ks, "v": vs}  # fp16 parameters per token (scaled integer codes)
+        # what the kernels read: K and V alike (None where they differ - QJL, served on the torch path only)
+        self.code_bytes = kc if kc == vc else None
+        self.scales_per_row = ks if ks == vs else None
+        self.scale_bytes = BLOCK_TOKENS * ks * 2 if ks == vs else None
         self.mean_channels = cl.mean_channels(D, num_kv_heads)  # 0 unless the format shares a head mean
         self.mean_bytes = BLOCK_TOKENS * self.mean_channels * 2
         self.cap = outlier_cap(D) if outliers else 0
@@ -237,13 +286,13 @@ class PageLayout:
         self.region = off
         off += self.region_slots * 2 * D * 2
         self.k_codes = off
-        off += self.blocks * self.code_bytes
+        off += self.blocks * kc
         self.v_codes = off
-        off += self.blocks * self.code_bytes
+        off += self.blocks * vc
         self.k_scales = off
-        off += self.blocks * self.scale_bytes
+        off += self.blocks * BLOCK_TOKENS * ks * 2
         self.v_scales = off
-        off += self.blocks * self.scale_bytes
+        off += self.blocks * BLOCK_TOKENS * vs * 2
         self.k_mean = off
         off += self.blocks * self.mean_bytes
         self.v_mean = off
@@ -278,9 +327,9 @@ class PageLayout:
     def scales_view(self, pages, kind: str):
         """[num_pages, H, blocks, BLOCK_TOKENS, P] fp16 row scales for K ("k") or V ("v")."""
         start = self.k_scales if kind == "k" else self.v_scales
-        n = self.blocks * self.scale_bytes
-        return self._slice(pages, start, n).view(torch.float16).unflatten(
-            -1, (self.blocks, BLOCK_TOKENS, self.scales_per_row))
+        P = self.kind_scales_per_row[kind]
+        return self._slice(pages, start, self.blocks * BLOCK_TOKENS * P * 2).view(torch.float16).unflatten(
+            -1, (self.blocks, BLOCK_TOKENS, P))
 
     def mean_view(self, pages, kind: str, dtype):
         """[num_pages, H, blocks, BLOCK_TOKENS, c] half: each head's channels of the per-token head mean."""
@@ -289,9 +338,10 @@ class PageLayout:
         return self._slice(pages, start, n).view(dtype).unflatten(-1, (self.blocks, BLOCK_TOKENS, self.mean_channels))
 
     def codes_view(self, pages, kind: str):
-        """[num_pages, H, blocks, code_bytes] uint8 for K ("k") or V ("v")."""
+        """[num_pages, H, blocks, code bytes] uint8 for K ("k") or V ("v")."""
         start = self.k_codes if kind == "k" else self.v_codes
-        return self._slice(pages, start, self.blocks * self.code_bytes).unflatten(-1, (self.blocks, self.code_bytes))
+        n = self.kind_code_bytes[kind]
+        return self._slice(pages, start, self.blocks * n).unflatten(-1, (self.blocks, n))
 
     def outlier_views(self, pages, kind: str, dtype):
         """([num_pages, H, blocks, cap] int16 positions, same-shape half values)."""

@@ -6,7 +6,7 @@ The seed baselines that are not codebook methods have reference codecs of their 
 quality harness (benchmarks/quality_seeds.py): ``selective`` (seed 003, per-token symmetric int8 / int4;
 served, behind ``SelectiveQuantizer``), ``tada`` (seed 004, mean across KV heads + asymmetric deviations,
 per-layer bits search; served at uniform bits, behind ``TadaQuantizer``) and ``qjl`` (seed 002, 1-bit JL key
-sketches + 2-bit values), not served yet."""
+sketches + 2-bit values; served, behind ``QJLKeyQuantizer`` / ``QJLValueQuantizer``)."""
 
 from .base import Codec, exact_sq_dist, nearest
 from .channel import ChannelCodec
@@ -20,8 +20,9 @@ CODECS: dict[str, type[Codec]] = {
 }
 
 
-def calibration_free_quantizers(fmt):
-    """(K, V) serving quantizers of a format that needs no calibration artifact."""
+def calibration_free_quantizers(fmt, *, head_dim: int | None = None, layer: int | None = None, rope=None):
+    """(K, V) serving quantizers of a format that needs no calibration artifact.  QJL's depend on the layer (its
+    sketch size) and the head dim; ``rope`` (rope.Rope) lets its key quantizer's ``fake_quant`` take pre-RoPE keys."""
     if fmt.method == "selective":
         from .selective import SelectiveQuantizer
 
@@ -30,6 +31,12 @@ def calibration_free_quantizers(fmt):
         from .tada import TadaQuantizer
 
         return TadaQuantizer(fmt.bits_per_float), TadaQuantizer(fmt.bits_per_float)
+    if fmt.method == "qjl":
+        from .qjl import QJLKeyQuantizer, QJLValueQuantizer
+
+        if head_dim is None or layer is None:
+            raise ValueError(f"{fmt.name}'s quantizers depend on the layer and the head dim: pass head_dim and layer")
+        return QJLKeyQuantizer(head_dim, layer, rope), QJLValueQuantizer()
     raise ValueError(f"{fmt.name} is served from a calibration artifact (method {fmt.method!r})")
 
 

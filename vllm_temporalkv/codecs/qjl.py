@@ -36,13 +36,17 @@ take one matmul per head, and for Gaussian S, E[k_hat] = k.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
 import torch
 
-INITIAL_LAYERS = 15  # [C] initial_layers_count: these layers get a larger sketch
-N_OUTLIERS = 8  # [C] outlier_count_general = outlier_count_initial_layers
+from ..formats import BLOCK_TOKENS, QJL_INITIAL_LAYERS, QJL_OUTLIERS, SINK_TOKENS
+from ..layout import code_layout, qjl_key_block_bytes, qjl_sketch_dims, store_half
+
+INITIAL_LAYERS = QJL_INITIAL_LAYERS  # [C] initial_layers_count (15): these layers get a larger sketch
+N_OUTLIERS = QJL_OUTLIERS  # [C] outlier_count_general = outlier_count_initial_layers (8)
 OUTLIER_GROUP = 32  # [C] group_size: tokens per outlier-channel selection
 VALUE_BITS = 2  # [C] value_quantization_bits
 VALUE_GROUP = 32  # [C] group_size: channels per value scale/min
@@ -53,10 +57,8 @@ _C = math.sqrt(math.pi / 2)
 def default_sketch_dims(head_dim: int, layer: int | None = None,
                         initial_layers: int = INITIAL_LAYERS) -> tuple[int, int]:
     """(m, m_outlier).  [C] at D=128: (256, 256) in general layers and (512, 128) in the first 15.
-    Other head dims keep the same sign bits per channel [I]: (2D, 2D) and (4D, D)."""
-    if layer is not None and layer < initial_layers:
-        return 4 * head_dim, head_dim
-    return 2 * head_dim, 2 * head_dim
+    Other head dims keep the same sign bits per channel [I]: (2D, 2D) and (4D, D).  (The page layout's rule.)"""
+    return qjl_sketch_dims(head_dim, layer, initial_layers)
 
 
 def sketch_matrix(head_dim: int, m: int, seed: int = 0, orthogonal: bool = True,
@@ -190,18 +192,20 @@ class QJLValues:
     bits: int
 
 
-def encode_values(v: torch.Tensor, bits: int = VALUE_BITS, group_size: int = VALUE_GROUP) -> QJLValues:
+def encode_values(v: torch.Tensor, bits: int = VALUE_BITS, group_size: int = VALUE_GROUP,
+                  param_dtype: torch.dtype | None = None) -> QJLValues:
     """Per token, per group of ``group_size`` channels: code = clamp(round((x - min) / scale), 0, 2^b - 1),
     scale = (max - min) / (2^b - 1) (KIVI, as the official code uses it).  The codes are computed in
-    float32 against the scale and min as stored (model dtype), so decode matches them.  A constant
-    group has scale 0 and decodes exactly to its value: the official division would give NaN."""
+    float32 against the scale and min as stored (``param_dtype``, default the model dtype), so decode matches
+    them.  A constant group has scale 0 and decodes exactly to its value: the official division would give NaN."""
     T, H, D = v.shape
+    param_dtype = param_dtype or v.dtype
     if D % group_size:
         raise ValueError(f"head_dim {D} not a multiple of the value group {group_size}")
     qmax = 2**bits - 1
     x = v.float().reshape(T, H, D // group_size, group_size)
     mn, mx = x.amin(-1), x.amax(-1)
-    scale, zero = ((mx - mn) / qmax).to(v.dtype), mn.to(v.dtype)
+    scale, zero = ((mx - mn) / qmax).to(param_dtype), mn.to(param_dtype)
     s, z = scale.float()[..., None], zero.float()[..., None]
     live = s > 0
     codes = ((x - z) / torch.where(live, s, torch.ones_like(s))).round().clamp(0, qmax)
@@ -263,3 +267,131 @@ def bits_per_float(head_dim: int, m: int | None = None, m_outlier: int | None = 
     values = value_bits * head_dim + 2 * scale_bits * head_dim / value_group
     k, v = keys / head_dim, values / head_dim
     return BitsPerFloat(k, v, (k + v) / 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# QJL served (``--kv-cache-dtype qjl``): the codecs above behind the paged cache's quantizer interface.
+# What serving changes, all [I]:
+# * outlier channels are picked per block of BLOCK_TOKENS = 8 tokens (the official code: per 32): the page
+#   layout encodes a block the moment it leaves the recent window, and a 32-token group would span four blocks
+#   encoded at different times.  It costs 8 index bytes per 8 tokens instead of per 32 (+0.09 bits per key
+#   float at D = 64) and adapts the outlier set faster;
+# * norms and value scales / minimums are fp16 (the official code: the model dtype; TaDA and selective store
+#   their parameters in fp16 too);
+# * exact tokens are the page layout's: the 8 sinks and the last 128-135 tokens (the official buffer is 128,
+#   keys flushed 128 at a time, no sinks);
+# * one S per sketch size m, drawn with seed m, shared by every layer and head using it (official: one S per
+#   model config).
+
+
+@functools.lru_cache(maxsize=8)
+def served_sketch(head_dim: int, m: int) -> torch.Tensor:
+    """The S [m, D] every served layer with sketch size m uses (seed m; float32, CPU)."""
+    return sketch_matrix(head_dim, m, seed=m)
+
+
+class _NoKernel:
+    """A code layout no C++ / Triton kernel decodes (what the kernel selection reads: ``kernel_variant``)."""
+
+    kernel_variant = None
+
+
+class _Codec:
+    """What the paged cache and the kernel selection read of a quantizer's codec: its code layout."""
+
+    def __init__(self, layout):
+        self.layout = layout
+
+
+class QJLKeyQuantizer:
+    """QJL keys in the paged cache, one layer: ``encode`` takes whole blocks of POST-RoPE keys [nb * 8, H, D] (the
+    cache does not un-rotate them: ``post_rope``) and returns each block's page bytes (``packs_blocks``: the bytes
+    as stored, [nb, H, key_block_bytes]); ``decode`` gives the surrogate k_hat [T, H, D], post-RoPE, whose dot
+    product with a query is QJL's estimate.  ``fake_quant`` (the quality harness: pre-RoPE keys of one sequence
+    from position 0) rotates, runs the served semantics and rotates the surrogate back."""
+
+    outliers = False
+    post_rope = True
+    packs_blocks = True
+
+    def __init__(self, head_dim: int, layer: int, rope=None):
+        if head_dim % 8 or head_dim < N_OUTLIERS:
+            raise ValueError(f"QJL keys need a head_dim that is a multiple of 8, got {head_dim}")
+        self.head_dim, self.layer, self.rope = head_dim, layer, rope
+        self.m, self.m_o = default_sketch_dims(head_dim, layer)
+        self.S = served_sketch(head_dim, self.m)
+        self.block_bytes = qjl_key_block_bytes(head_dim, layer)
+        self.codec = _Codec(_NoKernel())  # sketches, not codes: the torch path
+
+    def encode(self, x: torch.Tensor):
+        from .quantizer import Encoded
+
+        T, H, D = x.shape
+        nb = T // BLOCK_TOKENS
+        k = encode_keys(x.float(), self.S, self.m_o, N_OUTLIERS, group_size=BLOCK_TOKENS)
+
+        def per_block(t):  # [T, H, c] uint8 -> [nb, H, 8 * c]
+            return t.reshape(nb, BLOCK_TOKENS, H, -1).transpose(1, 2).reshape(nb, H, -1)
+
+        norms = torch.stack([k.norm, k.outlier_norm], -1).to(torch.float16).view(torch.uint8)  # [T, H, 4]
+        packed = torch.cat([per_block(k.bits), per_block(k.outlier_bits), per_block(norms), k.outlier_idx], -1)
+        return Encoded(packed.contiguous(), None, None)
+
+    def keys(self, packed: torch.Tensor) -> QJLKeys:
+        """Page bytes [nb, H, key_block_bytes] -> the QJLKeys they hold."""
+        nb, H, _ = packed.shape
+        a, b = BLOCK_TOKENS * self.m // 8, BLOCK_TOKENS * (self.m + self.m_o) // 8
+        c = b + 4 * BLOCK_TOKENS
+
+        def per_token(t):  # [nb, H, 8 * c] -> [nb * 8, H, c]
+            return t.reshape(nb, H, BLOCK_TOKENS, -1).transpose(1, 2).reshape(nb * BLOCK_TOKENS, H, -1)
+
+        norms = per_token(packed[..., b:c]).contiguous().view(torch.float16)  # [T, H, 2]
+        return QJLKeys(per_token(packed[..., :a]), per_token(packed[..., a:b]), norms[..., 0], norms[..., 1],
+                       packed[..., c:c + N_OUTLIERS], BLOCK_TOKENS)
+
+    def decode(self, enc, T: int, dtype: torch.dtype) -> torch.Tensor:
+        return key_surrogate(self.keys(enc.codes), self.S)[:T].to(dtype)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.encode(x), x.shape[0], x.dtype)
+
+    def fake_quant(self, x: torch.Tensor, sinks: int = SINK_TOKENS, window: int = 0) -> torch.Tensor:
+        """Pre-RoPE keys [T, H, D] of one sequence (positions 0..T-1) -> the pre-RoPE image of what the served
+        cache holds after T tokens (float32): exact tokens rotated there and back, the rest k_hat rotated back."""
+        from .quantizer import fake_quant
+
+        if self.rope is None:
+            raise ValueError("QJLKeyQuantizer.fake_quant rotates pre-RoPE keys: construct it with the model's Rope")
+        pos = torch.arange(x.shape[0], device=x.device)
+        post = self.rope.apply(x, pos).to(store_half(x.dtype)).float()  # what the cache would hold
+        return self.rope.invert(fake_quant(self, post, sinks, window).float(), pos)
+
+
+class QJLValueQuantizer:
+    """QJL values in the paged cache: per token and group of 32 channels, asymmetric 2-bit codes (one per value,
+    packed by the page layout) with an fp16 scale and minimum (``Encoded.scales`` [T, H, 2G], scales first)."""
+
+    outliers = False
+
+    def __init__(self):
+        self.codec = _Codec(code_layout("qjl", 1, 2**VALUE_BITS))  # 2-bit codes packed 4 per byte, row scales
+
+    def encode(self, x: torch.Tensor):
+        from .quantizer import Encoded
+
+        e = encode_values(x, VALUE_BITS, VALUE_GROUP, param_dtype=torch.float16)
+        return Encoded(e.codes, None, None, torch.cat([e.scale, e.zero], -1))
+
+    def decode(self, enc, T: int, dtype: torch.dtype) -> torch.Tensor:
+        G = enc.scales.shape[-1] // 2
+        s = enc.scales[:T]
+        return decode_values(QJLValues(enc.codes[:T], s[..., :G], s[..., G:], VALUE_BITS), dtype)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.encode(x), x.shape[0], x.dtype)
+
+    def fake_quant(self, x: torch.Tensor, sinks: int = SINK_TOKENS, window: int = 0) -> torch.Tensor:
+        from .quantizer import fake_quant
+
+        return fake_quant(self, x, sinks, window)

@@ -61,13 +61,28 @@ class LayerCache:
         return x.to(self.store_dtype).to(self.dtype)
 
 
+def _stored_keys(lc: LayerCache, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Post-RoPE keys -> what the key quantizer encodes: pre-RoPE keys (un-rotated), or the keys as they are for
+    a quantizer of post-RoPE keys (QJL: ``post_rope``)."""
+    if getattr(lc.k, "post_rope", False):
+        return k.to(lc.dtype)
+    return lc.rope.invert(k, pos).to(lc.dtype)
+
+
+def _served_keys(lc: LayerCache, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Inverse of _stored_keys for decoded keys (float32): rotated forward unless they are post-RoPE already."""
+    return k if getattr(lc.k, "post_rope", False) else lc.rope.apply(k, pos)
+
+
 def _encode_blocks(lc: LayerCache, pages, page_ids, block_slots, k_pre, v, ) -> None:
     """Encode whole blocks: k_pre/v [nblk * 8, H, D] -> codes (and outliers) in the pages."""
     lay = lc.layout
     for kind, q, x in (("k", lc.k, k_pre), ("v", lc.v, v)):
         enc = q.encode(x)
         codes = lay.codes_view(pages, kind)
-        codes[page_ids, :, block_slots] = pack_block_codes(q.codec.layout, enc.codes)
+        # a quantizer that lays out its own block bytes (QJL's keys: ``packs_blocks``) returns them as stored
+        codes[page_ids, :, block_slots] = (enc.codes if getattr(q, "packs_blocks", False)
+                                           else pack_block_codes(q.codec.layout, enc.codes))
         if enc.scales is not None:  # [nb * 8, H, P] -> [nb, H, 8, P]
             lay.scales_view(pages, kind)[page_ids, :, block_slots] = enc.scales.unflatten(0, (-1, BLOCK_TOKENS)).transpose(1, 2)
         if enc.mean is not None:  # [nb * 8, D] -> each head's share [nb, H, 8, c]
@@ -148,7 +163,7 @@ def _encode_completed(lc: LayerCache, pages, region, kh, vh, pos, pid, e) -> Non
         kb[:, r] = torch.where(inb[:, None, None], kh[srcc], from_tail_k)
         vb[:, r] = torch.where(inb[:, None, None], vh[srcc], from_tail_v)
     block_pos = (pos[e] - (BLOCK_TOKENS - 1))[:, None] + torch.arange(BLOCK_TOKENS, device=kh.device)
-    k_pre = lc.rope.invert(kb.reshape(-1, H, D), block_pos.reshape(-1)).to(lc.dtype)
+    k_pre = _stored_keys(lc, kb.reshape(-1, H, D), block_pos.reshape(-1))
     slot = (pos[e] % lc.block_size) // BLOCK_TOKENS
     _encode_blocks(lc, pages, pid[e], slot, k_pre, vb.reshape(-1, H, D))
 
@@ -181,7 +196,7 @@ def write_kv_window(lc: LayerCache, pages: torch.Tensor, key: torch.Tensor, valu
             kb[new], vb[new] = kh[a + p[new] - ctx], vh[a + p[new] - ctx]
             kb[~new] = region[bt[old // B], :, lay.ring_slot(old), 0]
             vb[~new] = region[bt[old // B], :, lay.ring_slot(old), 1]
-            k_pre = lc.rope.invert(kb.to(lc.dtype), p).to(lc.dtype)
+            k_pre = _stored_keys(lc, kb.to(lc.dtype), p)
             first = p[::BLOCK_TOKENS]
             _encode_blocks(lc, pages, bt[first // B], (first % B) // BLOCK_TOKENS, k_pre, vb.to(lc.dtype))
         p = torch.arange(ctx, n, device=key.device)
@@ -215,8 +230,9 @@ def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n:
         T = (full - 1) * BLOCK_TOKENS
         for kind, q, out in (("k", lc.k, K), ("v", lc.v, V)):
             packed = lay.codes_view(pages, kind)[pg, :, slot]  # [nblk, H, code_bytes]
-            enc = Encoded(unpack_block_codes(q.codec.layout, packed, D), None, None)
-            if lay.scale_bytes:  # [nblk, H, 8, P] -> [nblk * 8, H, P]
+            enc = Encoded(packed if getattr(q, "packs_blocks", False) else unpack_block_codes(q.codec.layout, packed, D),
+                          None, None)
+            if lay.kind_scales_per_row[kind]:  # [nblk, H, 8, P] -> [nblk * 8, H, P]
                 enc.scales = lay.scales_view(pages, kind)[pg, :, slot].transpose(1, 2).reshape(T, H, -1)
             if lay.mean_bytes:  # the heads' shares [nblk, H, 8, c] -> [nblk * 8, D]
                 share = lay.mean_view(pages, kind, lc.store_dtype)[pg, :, slot].transpose(1, 2)
@@ -226,7 +242,7 @@ def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n:
                 enc.outlier_idx, enc.outlier_val = idx[pg, :, slot], val[pg, :, slot]
             x = q.decode(enc, T, torch.float32)
             if kind == "k":
-                x = lc.rope.apply(x, torch.arange(BLOCK_TOKENS, full * BLOCK_TOKENS, device=pages.device))
+                x = _served_keys(lc, x, torch.arange(BLOCK_TOKENS, full * BLOCK_TOKENS, device=pages.device))
             out[BLOCK_TOKENS : full * BLOCK_TOKENS] = x.to(lc.dtype)
     if n > tail0:
         p = torch.arange(tail0, n, device=pages.device)
@@ -246,8 +262,8 @@ def _decoded_blocks(lc: LayerCache, K: torch.Tensor, V: torch.Tensor, lo: int, h
             enc.outlier_val = enc.outlier_val.to(lc.store_dtype)
         return enc
 
-    k_pre = lc.rope.invert(K[lo:hi], pos).to(lc.dtype)
-    kq = lc.rope.apply(lc.k.decode(stored(lc.k, k_pre), hi - lo, torch.float32), pos).to(lc.dtype)
+    k_pre = _stored_keys(lc, K[lo:hi], pos)
+    kq = _served_keys(lc, lc.k.decode(stored(lc.k, k_pre), hi - lo, torch.float32), pos).to(lc.dtype)
     # decoded exactly as gather_kv decodes a stored block (float32, then the model dtype)
     vq = lc.v.decode(stored(lc.v, V[lo:hi]), hi - lo, torch.float32).to(lc.dtype)
     return kq, vq

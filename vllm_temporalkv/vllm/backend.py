@@ -118,8 +118,14 @@ class TemporalKVBackend(AttentionBackend):
         if len(_SERVING) > 1:
             raise TemporalKVConfigError(f"one process serves one vllm-temporalkv format, got {sorted(_SERVING)}")
         fmt_name, outliers, window = next(iter(_SERVING))
-        layout = PageLayout(get_format(fmt_name), spec.head_size, spec.block_size, outliers, window,
-                            num_kv_heads=spec.num_kv_heads)
+        fmt = get_format(fmt_name)
+        layer = compat.spec_layer(spec)  # formats whose pages differ per layer (QJL): compat.tag_layer_specs
+        if fmt.per_layer_pages and layer is None:
+            raise TemporalKVConfigError(f"--kv-cache-dtype {fmt_name} sizes its pages per layer, and this vLLM "
+                                        f"({'.'.join(map(str, compat.VLLM_VERSION))}) did not say which layer a "
+                                        "KV spec is for; use vLLM >= 0.27 or another format")
+        layout = PageLayout(fmt, spec.head_size, spec.block_size, outliers, window,
+                            num_kv_heads=spec.num_kv_heads, layer=layer)
         return compat.customize_spec(spec, block_size=spec.block_size, record_bytes=layout.bytes,
                                      num_heads=spec.num_kv_heads)
 
@@ -198,13 +204,13 @@ class TemporalKVImpl(AttentionImpl):
             fmt = get_format(self.kv_cache_dtype)
             # a tensor-parallel rank holds some of the KV heads: their codebooks, not the first ones
             if self._artifact is None:
-                kq, vq = calibration_free_quantizers(fmt)
+                kq, vq = calibration_free_quantizers(fmt, head_dim=self.head_size, layer=index)
             else:
                 heads = compat.local_kv_heads(self._artifact.fingerprint["num_kv_heads"], self.num_kv_heads)
                 kq, vq = self._artifact.layer_quantizers(fmt.name, index, outliers=self._outliers, heads=heads,
                                                          device=device)
             layout = PageLayout(fmt, self.head_size, self._block_size, self._outliers, self._window,
-                                num_kv_heads=self.num_kv_heads)
+                                num_kv_heads=self.num_kv_heads, layer=index)
             self._lc = paged_torch.LayerCache(fmt, layout, kq, vq, Rope(self._hf_config, device), self._dtype)
             self._ops, path = ops.select(self._lc, device)
             if self._batch_invariant:

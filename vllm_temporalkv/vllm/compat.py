@@ -14,6 +14,7 @@ from typing import Any, get_args
 import torch
 
 import vllm
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 VLLM_VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2] if x.isdigit())
 HAS_CUSTOMIZE_SPEC = VLLM_VERSION >= (0, 27)
@@ -106,6 +107,44 @@ def hook_platform_config(fn) -> None:
 
 def user_specified_block_size(cache_config) -> bool:
     return bool(getattr(cache_config, "user_specified_block_size", False))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerAttentionSpec(FullAttentionSpec):
+    """vLLM's FullAttentionSpec plus the decoder layer it belongs to (tag_layer_specs).  A subclass resolves to full
+    attention by MRO in vLLM's spec registry, and FullAttentionSpec.merge compares only AttentionSpec's fields."""
+
+    temporalkv_layer: int | None = None
+
+
+def tag_layer_specs(wants_layer) -> None:
+    """Per-layer page sizes (vLLM 0.32 keeps one spec per layer when page sizes differ: UniformTypeKVCacheSpecs).
+    The backend's ``customize_spec(spec)`` is not told the layer, so the layers whose ``kv_cache_dtype`` satisfies
+    ``wants_layer`` hand vLLM a LayerAttentionSpec that carries its decoder-layer index (``spec_layer``)."""
+    if not HAS_CUSTOMIZE_SPEC:  # 0.26: no customize_spec; its pages are sized elsewhere (not yet exercised)
+        return
+    try:
+        from vllm.model_executor.layers.attention.attention import Attention
+    except ImportError:  # pragma: no cover - another layout of vLLM's modules
+        from vllm.attention.layer import Attention
+    orig = Attention.get_kv_cache_spec
+    if getattr(orig, "_temporalkv", False):
+        return
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = orig(self, vllm_config)
+        if type(spec) is FullAttentionSpec and wants_layer(self.kv_cache_dtype):
+            fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
+            spec = LayerAttentionSpec(**fields, temporalkv_layer=layer_index(self))
+        return spec
+
+    get_kv_cache_spec._temporalkv = True  # type: ignore[attr-defined]
+    Attention.get_kv_cache_spec = get_kv_cache_spec
+
+
+def spec_layer(spec: Any) -> int | None:
+    """The decoder layer a spec was tagged with (tag_layer_specs), or None."""
+    return getattr(spec, "temporalkv_layer", None)
 
 
 def customize_spec(spec: Any, *, block_size: int, record_bytes: int, num_heads: int) -> Any:

@@ -13,9 +13,9 @@ Serving options (``--additional-config`` JSON or environment):
     temporalkv_recent_window / VLLM_TEMPORALKV_RECENT_WINDOW
                                                       the newest tokens kept in half precision, a
                                                       multiple of 8 (default: the format's - 0 for the
-                                                      codebook formats, 128 for selective-int8/int4
-                                                      and tada-4bit/2bit)
-Formats that need no calibration (selective-int8 / -int4, tada-4bit / -2bit) ignore the artifact.
+                                                      codebook formats, 128 for selective-int8/int4,
+                                                      tada-4bit/2bit and qjl)
+Formats that need no calibration (selective-int8 / -int4, tada-4bit / -2bit, qjl) ignore the artifact.
 An unknown ``temporalkv_*`` key or a value that is not a boolean stops the server with the option's name.
 """
 
@@ -50,6 +50,7 @@ def register() -> None:
     compat.add_kv_cache_dtypes(names)
     compat.register_custom_backend(BACKEND_PATH)
     compat.route_kv_cache_dtypes(names, BACKEND_PATH, _validate_selection)
+    compat.tag_layer_specs(lambda dtype: dtype in FORMATS and FORMATS[dtype].per_layer_pages)
     compat.hook_platform_config(_on_config)
     compat.skip_cpu_generator_rewind()
 
