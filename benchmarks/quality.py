@@ -135,7 +135,8 @@ class Simulator:
         if fmt is not None:
             self.window = window_of(fmt, ablation)
             f = get_format(fmt)
-            if f.per_layer_pages:  # QJL: per-layer sketches, keys rotated by the model's RoPE - built in bind()
+            if f.per_layer_pages and not f.needs_calibration:  # QJL: per-layer sketches, keys rotated by the model's
+                # RoPE - built in bind()
                 self.qs, self._free = {}, f
                 return
             if not f.needs_calibration:
@@ -299,7 +300,9 @@ def run(args) -> dict:
     need_art = any(f in FORMATS and get_format(f).needs_calibration for f in wanted + [parse_config(n)[0] for n in named])
     if need_art:
         art = Artifact.load(art_path, expect=fp, model_hint=args.model)
-        calibration, formats = art.calibration, [f for f in wanted if f in art.formats] + free
+        covered = [f for f in wanted if f in FORMATS and get_format(f).needs_calibration
+                   and all(p in art.formats for p in get_format(f).calibrated_formats)]  # a mixed format: its parts
+        calibration, formats = art.calibration, covered + free
     else:
         art, formats = None, free
         calibration = prev.get("settings", {}).get("artifact_calibration")
@@ -339,9 +342,12 @@ def run(args) -> dict:
         else:
             sim = Simulator(name, art, unweighted, args.protocol)
             fmt, outliers, ablation = parse_config(name)
+            parts = [get_format(p) for p in art.layer_formats(fmt)] if fmt and get_format(fmt).mix else None
             bits = (bits_per_float(get_format(fmt), fp["head_dim"], args.seq_len, outliers, window_of(fmt, ablation),
-                                   num_kv_heads=fp["num_kv_heads"], num_layers=fp["num_layers"])
+                                   num_kv_heads=fp["num_kv_heads"], num_layers=fp["num_layers"], layer_formats=parts)
                     if fmt else {"total": 16.0})
+            if parts:
+                extra = {"layer_formats": [p.name for p in parts]}
         nll, n = window_nll(model, windows, sim)
         res[name] = {"ppl": math.exp(nll / n), "nll": nll / n, "tokens": n, "seconds": round(time.time() - t0, 1),
                      "bits": bits, "command": run_record()["command"], **extra}

@@ -12,7 +12,7 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-TINY_FORMATS = ["temporalkv-2bit", "channelkv-2bit", "kvquant-2bit", "temporalkv-4bit"]
+TINY_FORMATS = ["temporalkv-2bit", "channelkv-2bit", "kvquant-2bit", "temporalkv-4bit", "temporalkv-1bit"]  # + the mix
 
 
 @pytest.fixture(scope="session")

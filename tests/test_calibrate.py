@@ -24,6 +24,18 @@ def test_artifact_fits_smollm2(tiny_artifact, smollm2_dir):
         for j, kv in enumerate("kv"):
             assert m[kv][layer] == ("channel" if t[layer, j, 1] < t[layer, j, 0] else "temporal")
     assert set(art.layer_methods["channelkv-2bit"]["k"]) == {"channel"}
+    # the per-layer loss estimates a mixed format chooses by: recorded for every hybrid format, finite, and
+    # fewer bits cost more in total (the hybrid's choice in each layer)
+    assert "channelkv-2bit" not in art.cost
+    total = {}
+    for f in ("temporalkv-4bit", "temporalkv-2bit", "temporalkv-1bit"):
+        c = art.cost[f]
+        assert c.shape == (30, 2, 2) and torch.isfinite(c).all() and (c >= 0).all()
+        total[f] = sum(float(c[i, j, int(art.layer_methods[f][kv][i] == "channel")]) for i in range(30)
+                       for j, kv in enumerate("kv"))
+    assert total["temporalkv-4bit"] < total["temporalkv-2bit"] < total["temporalkv-1bit"], total
+    parts = Artifact.load(tiny_artifact, formats=["temporalkv-2bit-mixed"]).layer_formats("temporalkv-2bit-mixed")
+    assert sum(get_format(p).bits_per_float for p in parts) <= 2 * 30 and len(set(parts)) > 1, parts
     s = art.stats[(5, "k")]
     assert (s.std > 0).all() and (s.lo < s.hi).all()
 

@@ -67,6 +67,15 @@ def server_triton(smollm2_dir, tiny_artifact):
 
 
 @pytest.fixture(scope="module")
+def server_mixed(smollm2_dir, tiny_artifact):
+    """temporalkv-2bit-mixed: each layer one of temporalkv-4/2/1bit (the artifact's per-layer choice), its own page
+    size per layer, on the C++ path; 256-token steps chunk the prompt."""
+    with _server(smollm2_dir, tiny_artifact, "temporalkv-2bit-mixed", "--enforce-eager",
+                 "--max-num-batched-tokens", "256") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
 def server_4bit(smollm2_dir, tiny_artifact):
     # eager (no torch.compile warm-up): the 2-bit server already covers the compiled default
     with _server(smollm2_dir, tiny_artifact, "temporalkv-4bit", "--enforce-eager") as s:
@@ -113,7 +122,7 @@ def hf_nll(smollm2_dir, tiny_artifact, austen_ids):
     x = torch.tensor(emma_text(ids))
     out = {name: float(token_nlls(model, x, Simulator(name, art, None, "causal"))[7:].mean())
            for name in ("bf16", "temporalkv-2bit", "temporalkv-4bit", "selective-int4@window16", "tada-2bit@window16",
-                         "qjl@window16")}
+                         "qjl@window16", "temporalkv-2bit-mixed")}
     model.set_attn_implementation("eager")
     with torch.no_grad():
         out["bf16_top1"] = model(x[None]).logits[0, :-1].argmax(-1)  # predictions for tokens 1..T-1
@@ -246,6 +255,29 @@ def test_calibration_free_format_serves_as_its_codec(server_free, austen_ids, hf
     log = server_free.log()
     assert "no calibration needed (recent window 16 tokens)" in log
     assert f"{fmt}: attention and cache update on the torch" in log
+
+
+def test_mixed_format_serves_each_layer_as_its_part(server_mixed, austen_ids, hf_nll, tiny_artifact, smollm2_dir):
+    """temporalkv-2bit-mixed: the server's scoring matches the codecs layer by layer as the artifact chose them, and
+    vLLM's capacity is the sum of the layers' own page sizes (4-, 2- and 1-bit pages side by side)."""
+    from transformers import AutoConfig
+
+    from vllm_temporalkv.artifact import Artifact
+    from vllm_temporalkv.formats import get_format
+    from vllm_temporalkv.layout import PageLayout
+
+    _, ids = austen_ids
+    nll, _ = score(server_mixed, emma_text(ids))
+    ref = hf_nll["temporalkv-2bit-mixed"]
+    print(f"\ntemporalkv-2bit-mixed: server {nll:.4f}, codec {ref:.4f}, bf16 {hf_nll['bf16']:.4f}, "
+          f"uniform 2-bit codec {hf_nll['temporalkv-2bit']:.4f}")
+    assert abs(nll - ref) < 0.02  # bf16 serving vs the float32 reference, as for the uniform formats
+    assert abs(nll - hf_nll["temporalkv-2bit"]) > 0.002  # not the uniform format
+    cfg = AutoConfig.from_pretrained(smollm2_dir)
+    parts = Artifact.load(tiny_artifact).layer_formats("temporalkv-2bit-mixed")
+    record = sum(PageLayout(get_format(p), 64, 1024).bytes for p in parts)
+    assert server_mixed.kv_capacity_tokens() == 2**30 // (cfg.num_key_value_heads * record) * 1024
+    assert "temporalkv-2bit-mixed: attention and cache update on the C++" in server_mixed.log()
 
 
 def test_triton_path_serves_like_the_oracle(server_triton, server_4bit, austen_ids):

@@ -4,6 +4,9 @@ Tensors
     ``stats.<layer>.<k|v>.{mean,std,lo,hi}``   [H, D] float32  per-channel statistics, thresholds
     ``codebook.<layer>.<k|v>.<key>``           [H, G, K, v] float16  e.g. key ``temporal-l4-k256``
     ``hybrid.<format>.mse``                    [L, 2, 2] float32  Fisher-MSE (K/V x temporal/channel)
+    ``hybrid.<format>.cost``                   [L, 2, 2] float32  the diagonal-Fisher estimate of the LM loss
+                                                                  increase per token (nats; calibration.fit.fisher_error),
+                                                                  what a mixed format's per-layer choice reads
 Metadata (JSON strings)
     ``kind``, ``schema_version``, ``fingerprint`` (the model), ``formats``, ``layer_methods``
     (the hybrid's per-layer chunking, K and V separately), ``calibration`` (data and arguments).
@@ -121,7 +124,9 @@ class Artifact:
     stats: dict[tuple[int, str], ChannelStats]
     codebooks: dict[tuple[int, str, str], torch.Tensor]  # (layer, k|v, key) -> [H, G, K, v]
     mse: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    cost: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # format -> [L, 2, 2] (absent: older)
     path: Path | None = None
+    _layer_formats: dict[str, list[str]] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_layers(self) -> int:
@@ -139,6 +144,8 @@ class Artifact:
             tensors[f"codebook.{layer}.{kv}.{key}"] = c.half().contiguous()
         for fmt, m in self.mse.items():
             tensors[f"hybrid.{fmt}.mse"] = m.float().contiguous()
+        for fmt, m in self.cost.items():
+            tensors[f"hybrid.{fmt}.cost"] = m.float().contiguous()
         meta = {
             "kind": KIND,
             "schema_version": str(SCHEMA_VERSION),
@@ -221,11 +228,14 @@ class Artifact:
                 )
         art._fill(tensors, fix)
         for name in formats or []:
-            if name not in art.formats:
-                raise ArtifactError(
-                    f"calibration artifact {path} has no codebooks for {name} (it covers "
-                    f"{', '.join(art.formats) or 'nothing'}). Re-create it with: {fix} --formats {name}"
-                )
+            for part in get_format(name).calibrated_formats:
+                if part not in art.formats:
+                    raise ArtifactError(
+                        f"calibration artifact {path} has no codebooks for {part}{f' (a part of {name})' if part != name else ''} "
+                        f"(it covers {', '.join(art.formats) or 'nothing'}). Re-create it with: {fix} --formats {name}"
+                    )
+            if get_format(name).mix:
+                art.layer_formats(name, fix)  # the per-layer choice must be computable: the parts' costs
         return art
 
     def _check_metadata(self) -> None:
@@ -288,8 +298,11 @@ class Artifact:
                 if t.dtype != torch.float16:
                     raise bad(f"codebook {name} is {t.dtype}, expected torch.float16")
                 self.codebooks[(layer_of(name, parts[1]), parts[2], parts[3])] = t
-            elif parts[0] == "hybrid" and len(parts) == 3 and parts[2] == "mse":
-                self.mse[parts[1]] = t
+            elif parts[0] == "hybrid" and len(parts) == 3 and parts[2] in ("mse", "cost"):
+                if parts[2] == "cost" and (t.dtype != torch.float32 or tuple(t.shape) != (L, 2, 2)
+                                           or not torch.isfinite(t).all() or (t < 0).any()):
+                    raise bad(f"{name} must be finite, >= 0, float32 of shape {(L, 2, 2)}")
+                getattr(self, parts[2])[parts[1]] = t
             else:
                 raise bad(f"unexpected tensor {name!r}")
 
@@ -322,6 +335,36 @@ class Artifact:
                         raise bad(f"codebook {key} of layer {layer} {kv.upper()} has non-finite values")
 
     # ---- use -------------------------------------------------------------------------------------
+    def layer_formats(self, format_name: str, fix: str | None = None) -> list[str]:
+        """Which format serves each layer: the format itself, or for a mixed one (``KVFormat.mix``) the part whose
+        bits buy the least estimated loss increase under the mix's average bits (TaDA's per-layer search, seed 004,
+        codecs.tada.search_layer_bits, on the calibration's Fisher estimate of each layer's K + V loss increase at
+        its hybrid choice, ``hybrid.<part>.cost``).  Deterministic: every process computes the same choice."""
+        fmt = get_format(format_name)
+        if not fmt.mix:
+            return [format_name] * self.num_layers
+        cached = self._layer_formats.get(format_name)
+        if cached is None:
+            from .codecs.tada import search_layer_bits
+
+            missing = [p for p in fmt.mix if p not in self.cost]
+            if missing:
+                raise ArtifactError(
+                    f"calibration artifact {self.path} has no per-layer loss estimates for {', '.join(missing)} "
+                    f"(written before they were recorded): {format_name} chooses its layers' chunk lengths from them. "
+                    f"Re-create it with: {fix or calibrate_hint(None, self.path)} --formats {' '.join(fmt.mix)}")
+            bits = {get_format(p).bits_per_float: p for p in fmt.mix}
+            cost = {}
+            for layer in range(self.num_layers):
+                cost[layer] = {}
+                for b, p in bits.items():
+                    c = self.cost[p][layer]  # [K/V, temporal/channel]
+                    cost[layer][b] = float(sum(c[j, int(self.method_of(get_format(p), layer, kv) == "channel")]
+                                               for j, kv in enumerate(KV)))
+            choice = search_layer_bits(cost, fmt.bits_per_float)
+            cached = self._layer_formats[format_name] = [bits[choice[layer]] for layer in range(self.num_layers)]
+        return cached
+
     def method_of(self, fmt: KVFormat, layer: int, kv: str) -> str:
         return self.layer_methods[fmt.name][kv][layer]
 
@@ -343,11 +386,12 @@ class Artifact:
         """The (K, V) quantizers of one layer. ``layer_methods`` overrides the hybrid choice
         (e.g. all "temporal" for the pure-temporal ablation); ``heads``: only these KV heads, in this order
         (a tensor-parallel rank's own)."""
+        if not 0 <= layer < self.num_layers:
+            raise ArtifactError(f"calibration artifact {self.path} has {self.num_layers} layers; layer {layer} asked for")
+        format_name = self.layer_formats(format_name)[layer]  # a mixed format: this layer's part
         fmt = get_format(format_name)
         if format_name not in self.formats:
             raise ArtifactError(f"calibration artifact {self.path} has no codebooks for {format_name}")
-        if not 0 <= layer < self.num_layers:
-            raise ArtifactError(f"calibration artifact {self.path} has {self.num_layers} layers; layer {layer} asked for")
         pair = []
         for kv in KV:
             method = (layer_methods or self.layer_methods[format_name])[kv][layer]
@@ -379,9 +423,9 @@ class Artifact:
 
     def centroid_bytes(self, format_name: str) -> int:
         """fp16 bytes of the codebooks a server needs for this format (all layers, K and V)."""
-        fmt = get_format(format_name)
+        parts = self.layer_formats(format_name)
         return sum(
-            self.codebooks[(layer, kv, self.codebook_key(fmt, layer, kv))].numel() * 2
+            self.codebooks[(layer, kv, self.codebook_key(get_format(parts[layer]), layer, kv))].numel() * 2
             for layer in range(self.num_layers)
             for kv in KV
         )

@@ -61,6 +61,9 @@ class KVFormat:
     # Fisher-MSE is lower: the thesis's hybrid TemporalKV
     hybrid: bool = False
     window: int = 0  # recent tokens kept in half precision by default (the serving option overrides)
+    # a mixed format: per layer one of these formats (same method, other chunk lengths), chosen from the
+    # calibration's per-layer loss estimates under an average of ``bits_per_float`` (artifact.layer_formats)
+    mix: tuple[str, ...] = ()
 
     @property
     def needs_calibration(self) -> bool:
@@ -69,8 +72,14 @@ class KVFormat:
 
     @property
     def per_layer_pages(self) -> bool:
-        """Whether a layer's page record size depends on the layer (QJL's larger sketch in its first layers)."""
-        return self.method == "qjl"
+        """Whether a layer's page record size depends on the layer (QJL's larger sketch in its first layers, a mixed
+        format's chunk length)."""
+        return self.method == "qjl" or bool(self.mix)
+
+    @property
+    def calibrated_formats(self) -> list[str]:
+        """The formats whose codebooks an artifact needs to serve this one: itself, or a mix's parts."""
+        return list(self.mix) or [self.name]
 
     @property
     def code_layout(self):
@@ -107,6 +116,11 @@ def _build() -> dict[str, KVFormat]:
         out[f"temporalkv-{bits}bit"] = KVFormat(f"temporalkv-{bits}bit", "temporal", bits, l, 256, hybrid=True)
         out[f"channelkv-{bits}bit"] = KVFormat(f"channelkv-{bits}bit", "channel", bits, l, 256)
         out[f"kvquant-{bits}bit"] = KVFormat(f"kvquant-{bits}bit", "scalar", bits, 1, 2**bits)
+    # TaDA's idea (seed 004, per-layer bits under a budget) applied to TemporalKV's l in {2, 4, 8}: 2 bits per float
+    # on average over the layers, each layer (K and V alike: the C++ kernels read one code size per layer) at 4, 2 or
+    # 1 bits where the calibration's Fisher estimate of the loss increase says it pays (issue 16's remedy)
+    out["temporalkv-2bit-mixed"] = KVFormat("temporalkv-2bit-mixed", "temporal", 2, 4, 256, hybrid=True,
+                                            mix=("temporalkv-4bit", "temporalkv-2bit", "temporalkv-1bit"))
     for bits in (8, 4):
         out[f"selective-int{bits}"] = KVFormat(f"selective-int{bits}", "selective", bits, 1, 2**bits,
                                                window=SELECTIVE_WINDOW)
@@ -134,8 +148,8 @@ def get_format(name: str) -> KVFormat:
 
 
 def calibrated_formats() -> list[str]:
-    """The formats a calibration artifact can hold codebooks for."""
-    return [n for n, f in FORMATS.items() if f.needs_calibration]
+    """The formats a calibration artifact can hold codebooks for (a mixed format is served from its parts')."""
+    return [n for n, f in FORMATS.items() if f.needs_calibration and not f.mix]
 
 
 def check_window(window, block_size: int, where: str = "temporalkv_recent_window") -> int:
@@ -160,6 +174,8 @@ def outlier_cap(head_dim: int) -> int:
 
 
 def check_head_dim(fmt: KVFormat, head_dim: int) -> None:
+    for part in fmt.mix:  # a mixed format serves each layer as one of its parts
+        check_head_dim(get_format(part), head_dim)
     if fmt.method in ("channel", "temporal"):  # both group l channels (codebooks / vectors)
         if head_dim % fmt.chunk:
             raise FormatError(

@@ -31,23 +31,27 @@ def outlier_bits_per_float(head_dim: int) -> float:
 
 def bits_per_float(fmt: KVFormat, head_dim: int, context: int, outliers: bool = False,
                    window: int | None = None, num_kv_heads: int | None = None,
-                   num_layers: int | None = None) -> dict[str, float]:
+                   num_layers: int | None = None, layer_formats: list[KVFormat] | None = None) -> dict[str, float]:
     """Average bits per cached K/V float for one sequence of ``context`` tokens (the sequence's own
     cost: a page's fixed region is PageLayout's business).  ``num_kv_heads``: for formats that share a
     per-token mean across the KV heads (TaDA); ``num_layers``: for formats whose pages differ per layer (QJL:
-    the average over the layers)."""
+    the average over the layers); ``layer_formats``: a mixed format's part in each layer (Artifact.layer_formats)."""
     window = fmt.window if window is None else window
     cl = fmt.code_layout
     n_sink = min(SINK_TOKENS, context)
     tail = min(window + (BLOCK_TOKENS - 1) / 2, max(0, context - n_sink))
     coded = max(0.0, context - n_sink - tail)
-    if fmt.per_layer_pages and not num_layers:
+    if fmt.mix and not layer_formats:
+        raise ValueError(f"{fmt.name} is one of its parts per layer: pass layer_formats")
+    if layer_formats:
+        num_layers = len(layer_formats)
+    elif fmt.per_layer_pages and not num_layers:
         raise ValueError(f"{fmt.name}'s pages differ per layer: pass num_layers")
     layers = range(num_layers) if fmt.per_layer_pages else [None]
     code = scale = 0.0
     for layer in layers:
         for kind in "kv":  # K and V hold the same number of floats
-            nbytes, params = kind_geometry(fmt, kind, head_dim, layer)
+            nbytes, params = kind_geometry(layer_formats[layer] if layer_formats else fmt, kind, head_dim, layer)
             code += 8 * nbytes / (BLOCK_TOKENS * head_dim) / (2 * len(layers))
             scale += HALF_BITS * params / head_dim / (2 * len(layers))
     parts = {
@@ -243,6 +247,9 @@ def kind_geometry(fmt: KVFormat, kind: str, head_dim: int, layer: int | None = N
     """(code bytes per block, fp16 parameters per token) of K ("k") or V ("v") in one KV head's record.  The same
     for K and V but for QJL, whose keys are sketches (qjl_key_block_bytes: larger in the first layers, so its pages
     need the layer)."""
+    if fmt.mix:
+        raise ValueError(f"{fmt.name} is laid out per layer as one of its parts ({', '.join(fmt.mix)}): resolve the "
+                         "layer's part first (Artifact.layer_formats)")
     if fmt.method == "qjl" and kind == "k":
         if layer is None:
             raise ValueError(f"{fmt.name}'s key pages differ per layer: pass layer")

@@ -19,7 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default="wiki-leads",
                    help="calibration text: wiki-leads | brown | austen | a .txt file or folder | hf:<dataset>[:config[:split]]")
     p.add_argument("--formats", nargs="+", default=["all"], metavar="FORMAT",
-                   help=f"formats to fit (default all): {' '.join(calibrated_formats())}")
+                   help=f"formats to fit (default all): {' '.join(calibrated_formats())}; a mixed format "
+                        "(temporalkv-2bit-mixed) fits its parts")
     p.add_argument("--num-samples", type=int, default=None,
                    help="calibration windows (default: 64 on a GPU as in the thesis, 8 on the CPU)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per window (default 2048)")

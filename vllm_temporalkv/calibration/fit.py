@@ -45,15 +45,18 @@ def fit_codebooks(codec: Codec, z: torch.Tensor, fisher: torch.Tensor | None, *,
     return codec
 
 
-def weighted_mse(codec: Codec, z: torch.Tensor, fisher: torch.Tensor | None) -> float:
-    """Mean (Fisher-weighted) squared error of quantizing z; picks the hybrid's chunking."""
-    # element-wise diagonal-Fisher estimate of the loss increase, comparable across chunkings
+def fisher_error(codec: Codec, z: torch.Tensor, fisher: torch.Tensor | None) -> tuple[float, float]:
+    """(mse, cost) of quantizing z [T, H, D]: the mean (Fisher-weighted) squared error, which picks the hybrid's
+    chunking, and the diagonal-Fisher estimate of the LM loss increase, 1/2 sum g^2 (z - z_hat)^2 per token (nats;
+    g = d loss / d z), which compares layers and chunk lengths (the mixed formats' budget)."""
+    # element-wise: comparable across chunkings
     vecs = codec.to_vectors(z.float())
     err = (codec.lookup(codec.assign(z)) - vecs) ** 2  # [H, G, N, v]
     if fisher is None:
-        return float(err.mean())
+        return float(err.mean()), float("nan")
     f = codec.to_vectors(fisher.float())
-    return float((f * err).sum() / f.sum())
+    total = float((f * err).sum())
+    return total / float(f.sum()), 0.5 * total / z.shape[0]
 
 
 def _seed(base: int, layer: int, kv: str, key: str) -> int:
@@ -71,7 +74,7 @@ def fit_layer(
     fisher: bool = True,
     on_fit=None,
 ) -> tuple[dict, dict, dict]:
-    """-> (stats {kv: ChannelStats}, codebooks {(kv, key): [H,G,K,v]}, mse {(kv, key): float})."""
+    """-> (stats {kv: ChannelStats}, codebooks {(kv, key): [H,G,K,v]}, mse {(kv, key): (mse, cost)}) (fisher_error)."""
     stats, books, mse = {}, {}, {}
     for kv in "kv":
         x = acts[kv]
@@ -85,7 +88,7 @@ def fit_layer(
             codec = fit_codebooks(make_codec(method, chunk, k), z, f, iters=iters, seed=_seed(seed, layer, kv, key))
             books[(kv, key)] = codec.centroids.half()
             # always Fisher-weighted when we have gradients: this is what the hybrid compares
-            mse[(kv, key)] = weighted_mse(codec, z, (grads[kv] * s.std) ** 2)
+            mse[(kv, key)] = fisher_error(codec, z, (grads[kv] * s.std) ** 2)
             if on_fit is not None:
                 on_fit()
     return stats, books, mse

@@ -42,20 +42,21 @@ def codebook_keys(formats: list[str]) -> list[str]:
     return keys
 
 
-def hybrid_choice(mse: dict[tuple[int, str, str], float], fmt_name: str, num_layers: int):
-    """Per layer, K and V separately: channel chunking where its Fisher-weighted MSE is lower."""
+def hybrid_choice(mse: dict[tuple[int, str, str], tuple[float, float]], fmt_name: str, num_layers: int):
+    """Per layer, K and V separately: channel chunking where its Fisher-weighted MSE is lower.  -> (methods,
+    [L, 2, 2] MSE table, [L, 2, 2] cost table (K/V x temporal/channel: fit.fisher_error), or Nones)."""
     fmt = get_format(fmt_name)
     if not fmt.hybrid:
-        return {kv: [fmt.method] * num_layers for kv in "kv"}, None
-    table = torch.zeros(num_layers, 2, 2)
+        return {kv: [fmt.method] * num_layers for kv in "kv"}, None, None
+    table, costs = torch.zeros(num_layers, 2, 2), torch.zeros(num_layers, 2, 2)
     methods = {"k": [], "v": []}
     for layer in range(num_layers):
         for j, kv in enumerate("kv"):
-            t = mse[(layer, kv, fmt.codebook_key)]
-            c = mse[(layer, kv, fmt.channel_twin_key)]
+            (t, tc), (c, cc) = mse[(layer, kv, fmt.codebook_key)], mse[(layer, kv, fmt.channel_twin_key)]
             table[layer, j] = torch.tensor([t, c])
+            costs[layer, j] = torch.tensor([tc, cc])
             methods[kv].append("channel" if c < t else "temporal")
-    return methods, table
+    return methods, table, (costs if torch.isfinite(costs).all() else None)
 
 
 def _run_key(d: dict) -> str:
@@ -90,6 +91,8 @@ def run_calibration(
         if not get_format(f).needs_calibration:  # fail early on a bad name, or one that has nothing to fit
             raise FormatError(f"{f} needs no calibration (it serves without an artifact); calibrate codebook "
                               f"formats: {' '.join(calibrated_formats())}")
+    # a mixed format is served from its parts' codebooks (and their per-layer loss estimates)
+    formats = list(dict.fromkeys(p for f in formats for p in get_format(f).calibrated_formats))
     keys = codebook_keys(formats)
 
     model_dir = resolve_model(model)
@@ -150,24 +153,27 @@ def run_calibration(
             for (kv, key), c in bk.items():
                 t[f"codebook.{kv}.{key}"] = c.cpu().contiguous()
             for (kv, key), v in ms.items():
-                t[f"mse.{kv}.{key}"] = torch.tensor([v])
+                t[f"mse.{kv}.{key}"] = torch.tensor(v)  # (mse, cost): fit.fisher_error
             save_file(t, str(ckpt.with_suffix(".tmp")))
             ckpt.with_suffix(".tmp").rename(ckpt)
         for kv in "kv":
             stats[(layer, kv)] = ChannelStats(*(t[f"stats.{kv}.{n}"] for n in ("mean", "std", "lo", "hi")))
             for key in keys:
                 books[(layer, kv, key)] = t[f"codebook.{kv}.{key}"]
-                mse[(layer, kv, key)] = float(t[f"mse.{kv}.{key}"][0])
+                m = t[f"mse.{kv}.{key}"].tolist()
+                mse[(layer, kv, key)] = (m[0], m[1] if len(m) > 1 else float("nan"))  # a checkpoint without the cost
         acts[layer] = grads[layer] = None  # free as we go
     bar.close()
     t_fit = time.time() - t_fit
 
     # ---- 3. hybrid choice and the artifact
-    layer_methods, mse_tables = {}, {}
+    layer_methods, mse_tables, cost_tables = {}, {}, {}
     for name in formats:
-        layer_methods[name], table = hybrid_choice(mse, name, L)
+        layer_methods[name], table, costs = hybrid_choice(mse, name, L)
         if table is not None:
             mse_tables[name] = table
+        if costs is not None:
+            cost_tables[name] = costs
     elapsed = time.time() - t0
     calibration = dict(
         data=data, num_samples=num_samples, seq_len=seq_len, tokens=num_samples * seq_len,
@@ -178,7 +184,7 @@ def run_calibration(
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), package_version=__version__,
         torch=torch.__version__, model=str(model or "smollm2"),
     )
-    art = Artifact(fp, formats, layer_methods, calibration, stats, books, mse_tables)
+    art = Artifact(fp, formats, layer_methods, calibration, stats, books, mse_tables, cost_tables)
     art.save(output)
     shutil.rmtree(work, ignore_errors=True)
     log(summary(art, output))
@@ -218,7 +224,8 @@ def extend_artifact(path: str | Path, formats: list[str], *, model: str | None =
     same (other text, other software), every format is re-calibrated with those settings."""
     path = Path(path)
     old = Artifact.load(path)
-    new_formats = [f for f in formats if f not in old.formats]
+    parts = dict.fromkeys(p for f in formats for p in get_format(f).calibrated_formats)  # a mixed format: its parts
+    new_formats = [f for f in parts if f not in old.formats]
     if not new_formats:
         return old
     c = old.calibration
@@ -239,7 +246,7 @@ def extend_artifact(path: str | Path, formats: list[str], *, model: str | None =
         calibration["extended"] = list(c.get("extended") or []) + [
             {"formats": new_formats, "seconds": new.calibration["seconds"], "created": new.calibration["created"]}]
         art = Artifact(old.fingerprint, old.formats + new_formats, {**old.layer_methods, **new.layer_methods},
-                       calibration, old.stats, books, {**old.mse, **new.mse})
+                       calibration, old.stats, books, {**old.mse, **new.mse}, {**old.cost, **new.cost})
     art.save(path)
     tmp.unlink(missing_ok=True)
     log(summary(art, path))

@@ -119,11 +119,13 @@ class TemporalKVBackend(AttentionBackend):
             raise TemporalKVConfigError(f"one process serves one vllm-temporalkv format, got {sorted(_SERVING)}")
         fmt_name, outliers, window = next(iter(_SERVING))
         fmt = get_format(fmt_name)
-        layer = compat.spec_layer(spec)  # formats whose pages differ per layer (QJL): compat.tag_layer_specs
+        layer = compat.spec_layer(spec)  # formats whose pages differ per layer (QJL, mixes): compat.tag_layer_specs
         if fmt.per_layer_pages and layer is None:
             raise TemporalKVConfigError(f"--kv-cache-dtype {fmt_name} sizes its pages per layer, and this vLLM "
                                         f"({'.'.join(map(str, compat.VLLM_VERSION))}) did not say which layer a "
                                         "KV spec is for; use vLLM >= 0.27 or another format")
+        if fmt.mix:  # this layer's part, from the artifact the layers loaded
+            fmt = get_format(_ARTIFACTS[fmt_name].layer_formats(fmt_name)[layer])
         layout = PageLayout(fmt, spec.head_size, spec.block_size, outliers, window,
                             num_kv_heads=spec.num_kv_heads, layer=layer)
         return compat.customize_spec(spec, block_size=spec.block_size, record_bytes=layout.bytes,
@@ -163,6 +165,7 @@ class TemporalKVMetadataBuilder(AttentionMetadataBuilder[TemporalKVMetadata]):
 
 
 _SERVING: set[tuple[str, bool, int]] = set()  # (format, outliers, window) this process serves; for customize_spec
+_ARTIFACTS: dict = {}  # format -> the artifact its layers serve from (a mixed format's per-layer parts)
 _LOGGED_PATHS: set[str] = set()
 
 
@@ -195,6 +198,8 @@ class TemporalKVImpl(AttentionImpl):
         self._hf_config = cfg.model_config.hf_config
         self._artifact = load_artifact(cfg)  # immutable, cached per (path, model) in the process; None: not needed
         _SERVING.add((kv_cache_dtype, self._outliers, self._window))
+        if self._artifact is not None:
+            _ARTIFACTS[kv_cache_dtype] = self._artifact
         self._lc: paged_torch.LayerCache | None = None  # this layer's codebooks and page layout
 
     def _layer_cache(self, layer, device) -> paged_torch.LayerCache:
@@ -202,6 +207,8 @@ class TemporalKVImpl(AttentionImpl):
         if self._lc is None:
             index = compat.layer_index(layer)
             fmt = get_format(self.kv_cache_dtype)
+            if fmt.mix:  # a mixed format serves each layer as one of its parts (their codebooks, pages, kernels)
+                fmt = get_format(self._artifact.layer_formats(fmt.name)[index])
             # a tensor-parallel rank holds some of the KV heads: their codebooks, not the first ones
             if self._artifact is None:
                 kq, vq = calibration_free_quantizers(fmt, head_dim=self.head_size, layer=index)
@@ -217,7 +224,7 @@ class TemporalKVImpl(AttentionImpl):
                 path += ", batch-invariant float64 attention"
             if path not in _LOGGED_PATHS:  # once per process and path: says which kernels serve
                 _LOGGED_PATHS.add(path)
-                logger.info("vllm-temporalkv %s: attention and cache update on the %s path", fmt.name, path)
+                logger.info("vllm-temporalkv %s: attention and cache update on the %s path", self.kv_cache_dtype, path)
         return self._lc
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,

@@ -280,6 +280,7 @@ def _ours(fmt) -> bool:
 def decide_calibration(plan: ServePlan) -> Decision:
     """Whether this `serve` must calibrate first (and what), without loading any model."""
     from ..artifact import Artifact, ArtifactError, default_artifact_path, fingerprint_mismatch, model_fingerprint
+    from ..formats import FORMATS
 
     fmt = plan.kv_cache_dtype
     if not plan.auto_calibrate:
@@ -300,7 +301,7 @@ def decide_calibration(plan: ServePlan) -> Decision:
         return Decision("skip", path, f"{path} cannot be used ({e}); left alone")
     if diff:
         return Decision("skip", path, f"{path} was made for another model ({'; '.join(diff)}); left alone")
-    if fmt in art.formats:
+    if all(p in art.formats for p in FORMATS[fmt].calibrated_formats):  # a mixed format: its parts
         return Decision("reuse", path, f"using calibration artifact {path} (covers {', '.join(art.formats)})",
                         list(art.formats), art)
     return Decision("extend", path, f"calibration artifact {path} covers {', '.join(art.formats)} but not {fmt}",
