@@ -65,7 +65,7 @@ def pareto_table(h: dict) -> list[str]:
             continue
         base = r.get("bf16", {}).get("ppl")
         out += [f"**Every method at its all-in bits per float, {data}** (codes, scales, norms, means, outliers, "
-                "sinks and recent windows at 2048 tokens; TaDA and QJL are simulated, not served yet; "
+                "sinks and recent windows at 2048 tokens; every method as served but TaDA's per-layer mix, simulated; "
                 "chart: [benchmarks/results/quality_pareto.png](benchmarks/results/quality_pareto.png))", "",
                 "| method | bits/float | ppl | ppl ÷ bf16 |", "|---|---|---|---|"]
         for n, x in sorted(pts.items(), key=lambda kv: (-kv[1]["bits_per_float"], kv[1]["ppl"])):
