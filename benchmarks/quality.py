@@ -258,7 +258,7 @@ def _report(settings: dict, res: dict, art: Artifact | None, formats: list[str],
         return {"settings": settings, "configs": res, "run": run_record(),
                 "hybrid": prev.get("hybrid", {}), "centroid_bytes": prev.get("centroid_bytes", {})}
     return {"settings": settings, "configs": res, "run": run_record(),
-            "hybrid": {f: art.layer_methods[f] for f in formats if get_format(f).hybrid},
+            "hybrid": {f: art.layer_methods[f] for f in formats if get_format(f).hybrid and not get_format(f).mix},
             "centroid_bytes": {f: art.centroid_bytes(f) for f in formats if get_format(f).needs_calibration}}
 
 
@@ -403,6 +403,14 @@ def write_markdown(report: dict, path: Path) -> None:
                 f"| {bits} | {f} | {res[f]['ppl']:.3f} | {o.get('ppl', float('nan')):.3f} | "
                 f"{res[f]['bits']['total']:.3f} | {o.get('bits', {}).get('total', float('nan')):.3f} | {cb:.2f} MiB |"
             )
+    mixed = [n for n in res if "layer_formats" in res[n]]
+    if mixed:
+        lines += ["", "## Mixed formats: each layer one of the parts, chosen by the calibration's per-layer loss "
+                  "estimates (Artifact.layer_formats)", "", "| format | ppl | bits/float | bits per layer |",
+                  "|---|---|---|---|"]
+        for n in mixed:
+            per_layer = [get_format(p).bits_per_float for p in res[n]["layer_formats"]]
+            lines.append(f"| {n} | {res[n]['ppl']:.3f} | {res[n]['bits']['total']:.3f} | {per_layer} |")
     seeds = [n for n in res if is_seed_config(n) or (_family(n) in ("selective", "tada", "qjl") and "@" not in n)]
     if seeds:
         lines += ["", "## Seed methods: selective, TaDA and QJL (served, no calibration), TaDA with per-layer bits "
