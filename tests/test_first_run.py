@@ -216,21 +216,25 @@ def test_reuse_extend_and_leave_alone(parser, model_dir, tiny_artifact, tmp_path
     path.parent.mkdir()
     shutil.copy(tiny_artifact, path)
     old = Artifact.load(path)
-    assert "temporalkv-2bit" in old.formats and "temporalkv-1bit" not in old.formats
+    assert "temporalkv-2bit" in old.formats and "channelkv-1bit" not in old.formats
     d = cli.decide_calibration(plan(parser, [str(model_dir), "--kv-cache-dtype", "temporalkv-2bit"], tmp_path))
     assert d.action == "reuse"
-    d = cli.decide_calibration(plan(parser, [str(model_dir), "--kv-cache-dtype", "temporalkv-1bit"], tmp_path))
-    assert d.action == "extend" and d.formats == old.formats + ["temporalkv-1bit"]
+    # a mixed format is served from its parts: all there, nothing to calibrate
+    d = cli.decide_calibration(plan(parser, [str(model_dir), "--kv-cache-dtype", "temporalkv-2bit-mixed"], tmp_path))
+    assert d.action == "reuse"
+    d = cli.decide_calibration(plan(parser, [str(model_dir), "--kv-cache-dtype", "channelkv-1bit"], tmp_path))
+    assert d.action == "extend" and d.formats == old.formats + ["channelkv-1bit"]
     # extending keeps every format, statistic and codebook it had, with the settings it records
-    art = extend_artifact(path, ["temporalkv-1bit"], model=str(model_dir), progress=False, log=lambda *a: None)
-    new = Artifact.load(path, formats=old.formats + ["temporalkv-1bit"])
-    assert new.formats == old.formats + ["temporalkv-1bit"] and art.formats == new.formats
+    art = extend_artifact(path, ["channelkv-1bit"], model=str(model_dir), progress=False, log=lambda *a: None)
+    new = Artifact.load(path, formats=old.formats + ["channelkv-1bit"])
+    assert new.formats == old.formats + ["channelkv-1bit"] and art.formats == new.formats
     for key, c in old.codebooks.items():
         assert new.codebooks[key].equal(c)
     for key, s in old.stats.items():
         assert new.stats[key].mean.equal(s.mean) and new.stats[key].hi.equal(s.hi)
     assert {k: new.layer_methods[k] for k in old.formats} == old.layer_methods
-    assert new.calibration["extended"][0]["formats"] == ["temporalkv-1bit"]
+    assert old.cost and all(new.cost[k].equal(c) for k, c in old.cost.items())  # the mix's loss estimates survive
+    assert new.calibration["extended"][0]["formats"] == ["channelkv-1bit"]
     assert not list(path.parent.glob("*.extend*"))
     # an artifact for another model is left alone (vLLM refuses it, naming the fix)
     cfg = json.loads((model_dir / "config.json").read_text())
