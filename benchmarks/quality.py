@@ -258,7 +258,8 @@ def _report(settings: dict, res: dict, art: Artifact | None, formats: list[str],
         return {"settings": settings, "configs": res, "run": run_record(),
                 "hybrid": prev.get("hybrid", {}), "centroid_bytes": prev.get("centroid_bytes", {})}
     return {"settings": settings, "configs": res, "run": run_record(),
-            "hybrid": {f: art.layer_methods[f] for f in formats if get_format(f).hybrid and not get_format(f).mix},
+            "hybrid": {f: art.layer_methods[f] for f in formats if get_format(f).hybrid and not get_format(f).mix
+                       and not get_format(f).kv},
             "centroid_bytes": {f: art.centroid_bytes(f) for f in formats if get_format(f).needs_calibration}}
 
 

@@ -11,7 +11,7 @@ from vllm_temporalkv.formats import BLOCK_TOKENS, FORMATS, SINK_TOKENS, calibrat
 from vllm_temporalkv.calibration import numba_search as cpu
 from vllm_temporalkv.calibration.fit import fit_codebooks
 
-ALL = [(f.method, f.chunk, f.n_centroids) for f in FORMATS.values() if f.needs_calibration]
+ALL = [(f.method, f.chunk, f.n_centroids) for f in FORMATS.values() if f.needs_calibration and not f.kv]
 
 
 def data(T=64, H=2, D=16, seed=0):

@@ -32,7 +32,7 @@ def make_cache(fmt, D, outliers, dtype, layer, H=2, GQ=3, block_size=16):
     cfg = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": H * GQ,
            "num_key_value_heads": H, "hidden_size": H * GQ * D, "vocab_size": 100,
            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
-    art = synthetic_artifact(cfg, formats=[fmt])
+    art = synthetic_artifact(cfg, formats=get_format(fmt).calibrated_formats)  # a K/V pair: its parts
     kq, vq = art.quantizers(fmt, outliers=outliers)[layer]
     rope = Rope(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
     lay = PageLayout(get_format(fmt), D, block_size, outliers)
@@ -72,6 +72,9 @@ CASES = [
     ("temporalkv-2bit", 64, True, torch.float32, 1),
     ("temporalkv-2bit", 128, False, torch.float32, 0),  # hybrid
     ("kvquant-2bit", 64, True, torch.float32, 1),
+    # K/V pairs: K and V codes of different sizes in one record, each read with its own codec
+    ("temporalkv-k4v2", 64, True, torch.bfloat16, 0),  # hybrid K: channel l=2; V temporal l=4
+    ("temporalkv-k4v1", 128, False, torch.float32, 1),
 ]
 IDS = [f"{f}-d{d}-{'o1' if o else 'o0'}-{str(t)[6:]}-L{layer}" for f, d, o, t, layer in CASES]
 

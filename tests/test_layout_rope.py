@@ -8,7 +8,8 @@ from vllm_temporalkv.layout import PageLayout, bits_per_float, pack_block_codes,
 from vllm_temporalkv.rope import Rope
 
 
-@pytest.mark.parametrize("name", [n for n, f in FORMATS.items() if not f.per_layer_pages])  # QJL: test_qjl_served
+# QJL: test_qjl_served; K/V pairs: test_kv_pairs
+@pytest.mark.parametrize("name", [n for n, f in FORMATS.items() if not f.per_layer_pages and not f.kv])
 def test_pack_roundtrip_and_page_bytes(name):
     f = get_format(name)
     H, D = 3, 64

@@ -366,9 +366,10 @@ class Artifact:
         return cached
 
     def method_of(self, fmt: KVFormat, layer: int, kv: str) -> str:
-        return self.layer_methods[fmt.name][kv][layer]
+        return self.layer_methods[fmt.part(kv).name][kv][layer]  # a K/V pair: its half's hybrid choice
 
     def codebook_key(self, fmt: KVFormat, layer: int, kv: str) -> str:
+        fmt = fmt.part(kv)
         if fmt.hybrid and self.method_of(fmt, layer, kv) == "channel":
             return fmt.channel_twin_key
         return fmt.codebook_key
@@ -389,12 +390,15 @@ class Artifact:
         if not 0 <= layer < self.num_layers:
             raise ArtifactError(f"calibration artifact {self.path} has {self.num_layers} layers; layer {layer} asked for")
         format_name = self.layer_formats(format_name)[layer]  # a mixed format: this layer's part
-        fmt = get_format(format_name)
-        if format_name not in self.formats:
-            raise ArtifactError(f"calibration artifact {self.path} has no codebooks for {format_name}")
+        missing = [p for p in get_format(format_name).calibrated_formats if p not in self.formats]
+        if missing:
+            raise ArtifactError(f"calibration artifact {self.path} has no codebooks for {', '.join(missing)} "
+                                f"(needed by {format_name}); add them with: {calibrate_hint(None, self.path)} "
+                                f"--formats {' '.join(missing)}")
         pair = []
         for kv in KV:
-            method = (layer_methods or self.layer_methods[format_name])[kv][layer]
+            fmt = get_format(format_name).part(kv)  # a K/V pair: this half's format
+            method = (layer_methods or self.layer_methods[fmt.name])[kv][layer]
             key = fmt.channel_twin_key if method == "channel" and fmt.hybrid else fmt.codebook_key
             if (layer, kv, key) not in self.codebooks:
                 raise ArtifactError(f"calibration artifact {self.path} lacks codebook {key} for layer {layer} {kv.upper()}")

@@ -19,6 +19,10 @@ and two format families need no calibration at all:
   15 layers: its pages differ per layer, ``per_layer_pages``), values asymmetric 2-bit per 32 channels, behind a
   128-token recent window (the official code's buffer).  K and V are laid out differently (layout.PageLayout).
 
+and two ways to spend bits unevenly, both served from the codebooks of the uniform formats they are made of:
+* a *mixed* format (``mix``): per layer one of its parts (``temporalkv-2bit-mixed``, issue 16's first remedy);
+* a *K/V pair* (``kv``): keys as one format, values as another (``temporalkv-k4v2``: keys at 4 bits, values at 2).
+
 Shared by all formats (so they are compared on equal terms):
 * ``SINK_TOKENS`` first tokens of every sequence stay in half precision (attention sinks);
 * tokens are encoded in blocks of ``BLOCK_TOKENS`` (every chunk length divides it); the newest,
@@ -54,7 +58,7 @@ CODEBOOK_METHODS = ("temporal", "channel", "scalar")  # calibrated: codebooks in
 class KVFormat:
     name: str
     method: str  # one of METHODS
-    bits_per_float: int  # nominal: code bits / floats per vector (not the all-in cost: layout.bits_per_float)
+    bits_per_float: float  # nominal: code bits / floats per vector (not the all-in cost: layout.bits_per_float)
     chunk: int  # floats per vector: tokens (temporal), channels (channel), 1 (scalar, selective, tada)
     n_centroids: int  # codebook size; for selective and tada, the 2**bits code levels
     # per layer and K/V, calibration may choose channel chunking (same l, same bits) where its
@@ -64,6 +68,13 @@ class KVFormat:
     # a mixed format: per layer one of these formats (same method, other chunk lengths), chosen from the
     # calibration's per-layer loss estimates under an average of ``bits_per_float`` (artifact.layer_formats)
     mix: tuple[str, ...] = ()
+    # a K/V pair: keys served as format kv[0], values as kv[1] (one method, other chunk lengths; their codebooks) -
+    # the bits go where a format loses most (issue 16: the needle loss is in the keys)
+    kv: tuple[str, str] = ()
+
+    def part(self, kind: str) -> "KVFormat":
+        """The format that lays out and quantizes K ("k") or V ("v"): a pair's half, else the format itself."""
+        return get_format(self.kv[0 if kind == "k" else 1]) if self.kv else self
 
     @property
     def needs_calibration(self) -> bool:
@@ -78,13 +89,16 @@ class KVFormat:
 
     @property
     def calibrated_formats(self) -> list[str]:
-        """The formats whose codebooks an artifact needs to serve this one: itself, or a mix's parts."""
-        return list(self.mix) or [self.name]
+        """The formats whose codebooks an artifact needs to serve this one: itself, or a mix's / a K/V pair's parts."""
+        return list(dict.fromkeys(self.mix or self.kv)) or [self.name]
 
     @property
     def code_layout(self):
         """How this format's (non-hybrid) codes are laid out: ``layout.CodeLayout``."""
         from .layout import code_layout
+
+        if self.kv:  # K and V differ: ask part(kind)
+            raise ValueError(f"{self.name} lays out K as {self.kv[0]} and V as {self.kv[1]}: use part('k' / 'v')")
 
         return code_layout(self.method, self.chunk, self.n_centroids)
 
@@ -121,6 +135,12 @@ def _build() -> dict[str, KVFormat]:
     # 1 bits where the calibration's Fisher estimate of the loss increase says it pays (issue 16's remedy)
     out["temporalkv-2bit-mixed"] = KVFormat("temporalkv-2bit-mixed", "temporal", 2, 4, 256, hybrid=True,
                                             mix=("temporalkv-4bit", "temporalkv-2bit", "temporalkv-1bit"))
+    # K/V pairs: keys at more bits than values, where the 2-bit needle loss is (README, issue 16); the nominal bits
+    # are the mean of the halves'
+    for kb, vb in ((4, 2), (4, 1)):
+        k, v = out[f"temporalkv-{kb}bit"], out[f"temporalkv-{vb}bit"]
+        name = f"temporalkv-k{kb}v{vb}"
+        out[name] = dataclasses.replace(k, name=name, bits_per_float=(kb + vb) / 2, kv=(k.name, v.name))
     for bits in (8, 4):
         out[f"selective-int{bits}"] = KVFormat(f"selective-int{bits}", "selective", bits, 1, 2**bits,
                                                window=SELECTIVE_WINDOW)
@@ -148,8 +168,9 @@ def get_format(name: str) -> KVFormat:
 
 
 def calibrated_formats() -> list[str]:
-    """The formats a calibration artifact can hold codebooks for (a mixed format is served from its parts')."""
-    return [n for n, f in FORMATS.items() if f.needs_calibration and not f.mix]
+    """The formats a calibration artifact can hold codebooks for (mixed formats and K/V pairs are served from their
+    parts')."""
+    return [n for n, f in FORMATS.items() if f.needs_calibration and not f.mix and not f.kv]
 
 
 def check_window(window, block_size: int, where: str = "temporalkv_recent_window") -> int:
@@ -174,8 +195,10 @@ def outlier_cap(head_dim: int) -> int:
 
 
 def check_head_dim(fmt: KVFormat, head_dim: int) -> None:
-    for part in fmt.mix:  # a mixed format serves each layer as one of its parts
+    for part in fmt.mix + fmt.kv:  # a mixed format serves each layer as one of its parts, a pair K and V
         check_head_dim(get_format(part), head_dim)
+    if fmt.kv:
+        return
     if fmt.method in ("channel", "temporal"):  # both group l channels (codebooks / vectors)
         if head_dim % fmt.chunk:
             raise FormatError(

@@ -37,7 +37,7 @@ def bits_per_float(fmt: KVFormat, head_dim: int, context: int, outliers: bool = 
     per-token mean across the KV heads (TaDA); ``num_layers``: for formats whose pages differ per layer (QJL:
     the average over the layers); ``layer_formats``: a mixed format's part in each layer (Artifact.layer_formats)."""
     window = fmt.window if window is None else window
-    cl = fmt.code_layout
+    cl = fmt.part("k").code_layout  # (the head means of TaDA, whose K and V alike)
     n_sink = min(SINK_TOKENS, context)
     tail = min(window + (BLOCK_TOKENS - 1) / 2, max(0, context - n_sink))
     coded = max(0.0, context - n_sink - tail)
@@ -245,8 +245,8 @@ def qjl_key_block_bytes(head_dim: int, layer: int) -> int:
 
 def kind_geometry(fmt: KVFormat, kind: str, head_dim: int, layer: int | None = None) -> tuple[int, int]:
     """(code bytes per block, fp16 parameters per token) of K ("k") or V ("v") in one KV head's record.  The same
-    for K and V but for QJL, whose keys are sketches (qjl_key_block_bytes: larger in the first layers, so its pages
-    need the layer)."""
+    for K and V but for a K/V pair (``KVFormat.kv``) and QJL, whose keys are sketches (qjl_key_block_bytes: larger in
+    the first layers, so its pages need the layer)."""
     if fmt.mix:
         raise ValueError(f"{fmt.name} is laid out per layer as one of its parts ({', '.join(fmt.mix)}): resolve the "
                          "layer's part first (Artifact.layer_formats)")
@@ -254,7 +254,7 @@ def kind_geometry(fmt: KVFormat, kind: str, head_dim: int, layer: int | None = N
         if layer is None:
             raise ValueError(f"{fmt.name}'s key pages differ per layer: pass layer")
         return qjl_key_block_bytes(head_dim, layer), 0
-    cl = fmt.code_layout
+    cl = fmt.part(kind).code_layout  # a K/V pair: that half's format
     return cl.block_bytes(head_dim), cl.scales_per_row(head_dim)
 
 
@@ -276,13 +276,13 @@ class PageLayout:
         self.ring = self.window + BLOCK_TOKENS
         self.region_slots = SINK_TOKENS + self.ring
         D = head_dim
-        cl = fmt.code_layout
+        cl = fmt.part("k").code_layout  # the head mean: TaDA's, K and V alike
         self.blocks = block_size // BLOCK_TOKENS  # encode blocks per page
         self.layer = layer
         (kc, ks), (vc, vs) = (kind_geometry(fmt, kind, D, layer) for kind in "kv")
         self.kind_code_bytes = {"k": kc, "v": vc}
         self.kind_scales_per_row = {"k": ks, "v": vs}  # fp16 parameters per token (scaled integer codes)
-        # what the kernels read: K and V alike (None where they differ - QJL, served on the torch path only)
+        # K and V alike, else None (QJL, K/V pairs): readers take kind_code_bytes
         self.code_bytes = kc if kc == vc else None
         self.scales_per_row = ks if ks == vs else None
         self.scale_bytes = BLOCK_TOKENS * ks * 2 if ks == vs else None

@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibration text: wiki-leads | brown | austen | a .txt file or folder | hf:<dataset>[:config[:split]]")
     p.add_argument("--formats", nargs="+", default=["all"], metavar="FORMAT",
                    help=f"formats to fit (default all): {' '.join(calibrated_formats())}; a mixed format "
-                        "(temporalkv-2bit-mixed) fits its parts")
+                        "(temporalkv-2bit-mixed) or K/V pair (temporalkv-k4v2) fits its parts")
     p.add_argument("--num-samples", type=int, default=None,
                    help="calibration windows (default: 64 on a GPU as in the thesis, 8 on the CPU)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per window (default 2048)")

@@ -131,7 +131,7 @@ _CODEC: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _codec_args(q, lay, kind: str):
     per = _CODEC.setdefault(q, {})
-    key = (kind, lay.code_bytes, lay.k_codes, lay.v_codes, lay.k_idx, lay.k_val, lay.v_idx, lay.v_val)
+    key = (kind, lay.kind_code_bytes[kind], lay.k_codes, lay.v_codes, lay.k_idx, lay.k_val, lay.v_idx, lay.v_val)
     if key not in per:
         codec, s = q.codec, q.stats
         f32 = lambda t: t.detach().float().contiguous().cpu()  # noqa: E731
@@ -143,7 +143,7 @@ def _codec_args(q, lay, kind: str):
             1 if scalar else codec.chunk,
             (codec.n_centroids - 1).bit_length() if scalar else 8,
             codec.n_centroids,
-            lay.code_bytes,
+            lay.kind_code_bytes[kind],  # a K/V pair's halves differ (the kernels read each with its own codec)
             lay.k_codes if kind == "k" else lay.v_codes,
             lay.k_idx if kind == "k" else lay.v_idx,
             lay.k_val if kind == "k" else lay.v_val,
