@@ -22,15 +22,17 @@ from .common import RESULTS, run_record, write_json
 
 
 def run(args) -> dict:
-    from vllm_temporalkv.artifact import Artifact
+    from vllm_temporalkv.artifact import Artifact, default_artifact_path
+    from vllm_temporalkv.formats import get_format
     from vllm_temporalkv.models import load_hf_model, load_tokenizer, resolve_model
 
-    from .quality import _ACTIVE, Simulator, token_nlls
+    from .quality import _ACTIVE, Simulator, parse_config, token_nlls
     from .retrieval import _NEEDLE, SuiteBuilder
 
     model_dir = resolve_model(args.model)
     tok = load_tokenizer(model_dir)
-    art = Artifact.load(args.artifact) if args.artifact else None
+    art = Artifact.load(args.artifact or default_artifact_path(model_dir)) if any(
+        n != "bf16" and get_format(parse_config(n)[0]).needs_calibration for n in args.configs) else None
     model = load_hf_model(model_dir, dtype=torch.float32)
     rows = []
     for s in SuiteBuilder(tok, seed=args.seed).build(tasks=args.tasks, lengths=args.lengths, samples=args.samples):
@@ -120,7 +122,8 @@ def write_markdown(rep: dict, path: Path) -> None:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.needle_nll", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None)
-    p.add_argument("--artifact", default=None, help="calibration artifact for the codebook formats")
+    p.add_argument("--artifact", default=None, help="calibration artifact for the codebook formats (default: the "
+                   "model folder's, where the server looks)")
     p.add_argument("--configs", nargs="+", default=["bf16", "temporalkv-2bit"],
                    help="quality-harness configurations (formats, -o1, @windowN, @keys-only, ...)")
     p.add_argument("--tasks", nargs="+", default=["niah_single", "niah_multikey"])
