@@ -76,6 +76,14 @@ def server_mixed(smollm2_dir, tiny_artifact):
 
 
 @pytest.fixture(scope="module")
+def server_pair(smollm2_dir, tiny_artifact):
+    """temporalkv-k4v2: keys as temporalkv-4bit, values as -2bit (K and V codes of different sizes in one record),
+    on the C++ path."""
+    with _server(smollm2_dir, tiny_artifact, "temporalkv-k4v2", "--enforce-eager") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
 def server_4bit(smollm2_dir, tiny_artifact):
     # eager (no torch.compile warm-up): the 2-bit server already covers the compiled default
     with _server(smollm2_dir, tiny_artifact, "temporalkv-4bit", "--enforce-eager") as s:
@@ -122,7 +130,8 @@ def hf_nll(smollm2_dir, tiny_artifact, austen_ids):
     x = torch.tensor(emma_text(ids))
     out = {name: float(token_nlls(model, x, Simulator(name, art, None, "causal"))[7:].mean())
            for name in ("bf16", "temporalkv-2bit", "temporalkv-4bit", "selective-int4@window16", "tada-2bit@window16",
-                         "qjl@window16", "temporalkv-2bit-mixed")}
+                         "qjl@window16", "temporalkv-2bit-mixed", "temporalkv-k4v2", "temporalkv-2bit@values-only",
+                         "temporalkv-4bit@keys-only")}
     model.set_attn_implementation("eager")
     with torch.no_grad():
         out["bf16_top1"] = model(x[None]).logits[0, :-1].argmax(-1)  # predictions for tokens 1..T-1
@@ -278,6 +287,28 @@ def test_mixed_format_serves_each_layer_as_its_part(server_mixed, austen_ids, hf
     record = sum(PageLayout(get_format(p), 64, 1024).bytes for p in parts)
     assert server_mixed.kv_capacity_tokens() == 2**30 // (cfg.num_key_value_heads * record) * 1024
     assert "temporalkv-2bit-mixed: attention and cache update on the C++" in server_mixed.log()
+
+
+def test_kv_pair_serves_keys_and_values_at_their_own_bits(server_pair, austen_ids, hf_nll):
+    """temporalkv-k4v2: the server's scoring matches the codecs with 4-bit keys and 2-bit values - the simulation
+    with exactly that split, not either uniform format - and vLLM's capacity is that of the pair's record."""
+    from vllm_temporalkv.formats import get_format
+    from vllm_temporalkv.layout import PageLayout
+
+    _, ids = austen_ids
+    nll, _ = score(server_pair, emma_text(ids))
+    ref = hf_nll["temporalkv-k4v2"]
+    print(f"\ntemporalkv-k4v2: server {nll:.4f}, codec {ref:.4f}, bf16 {hf_nll['bf16']:.4f}, uniform 4-bit "
+          f"{hf_nll['temporalkv-4bit']:.4f}, 2-bit {hf_nll['temporalkv-2bit']:.4f}")
+    assert abs(nll - ref) < 0.02  # bf16 serving vs the float32 reference, as for the uniform formats
+    # what the split means, in the codec itself: 4-bit keys with 2-bit values is 2-bit values alone added to 4-bit
+    # keys alone, and neither uniform format
+    assert min(abs(ref - hf_nll[f]) for f in ("temporalkv-4bit", "temporalkv-2bit")) > 0.002
+    assert hf_nll["temporalkv-4bit@keys-only"] < ref and hf_nll["temporalkv-2bit@values-only"] < ref
+    record = PageLayout(get_format("temporalkv-k4v2"), 64, 1024).bytes
+    assert record < PageLayout(get_format("temporalkv-4bit"), 64, 1024).bytes
+    assert server_pair.kv_capacity_tokens() == 2**30 // (3 * 30 * record) * 1024
+    assert "temporalkv-k4v2: attention and cache update on the C++" in server_pair.log()
 
 
 def test_triton_path_serves_like_the_oracle(server_triton, server_4bit, austen_ids):
