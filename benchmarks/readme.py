@@ -90,11 +90,17 @@ def capacity_table(h: dict) -> list[str]:
         ours = [n for n in r if not any(n.startswith(m + "-") for m in METHODS)]
         seeds = [f"{n} {_fmt(r[n])}×" for n in sorted(ours) if n in FORMATS]  # served here, not by vLLM
         others = [f"{n} {_fmt(r[n])}×" for n in sorted(ours) if n not in FORMATS]
+        grid = set()
         for bits in (4, 2, 1):
             cells = []
             for m in METHODS:
                 cells += [_fmt(r.get(f"{m}-{bits}bit")), _fmt(r.get(f"{m}-{bits}bit-o1"))]
+                grid |= {f"{m}-{bits}bit", f"{m}-{bits}bit-o1"}
             out.append(f"| {bits} | " + " | ".join(cells) + " |")
+        # bits spent unevenly (per layer, per K / V) and page options (@blockN, @windowN): in capacity.md
+        variants = [f"{n} {_fmt(r[n])}×" for n in sorted(r) if n in FORMATS and n not in grid and n not in ours]
+        if variants:
+            out += ["", "Bits per layer or per K / V: " + ", ".join(variants)]
         if others:
             out += ["", "vLLM's own formats: " + ", ".join(others)]
         if seeds:
