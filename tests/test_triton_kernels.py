@@ -32,7 +32,7 @@ def make_cache(fmt, D, outliers, dtype, layer, block_size=16):
     cfg = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": H * GQ,
            "num_key_value_heads": H, "hidden_size": H * GQ * D, "vocab_size": 100,
            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
-    art = synthetic_artifact(cfg, formats=[fmt])
+    art = synthetic_artifact(cfg, formats=get_format(fmt).calibrated_formats)  # a K/V pair: its parts
     kq, vq = art.quantizers(fmt, outliers=outliers, device=DEVICE)[layer]
     rope = Rope(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"}), DEVICE)
     lay = PageLayout(get_format(fmt), D, block_size, outliers)
@@ -51,6 +51,7 @@ CASES = [
     ("kvquant-4bit", 64, False, torch.bfloat16, 1),
     ("kvquant-2bit", 128, True, torch.float16, 1),
     ("kvquant-1bit", 64, True, torch.float16, 1),
+    ("temporalkv-k4v2", 64, True, torch.bfloat16, 0),  # a K/V pair: K (channel, l = 2) and V (l = 4) codes differ
 ]
 IDS = [f"{f}-d{d}-{'o1' if o else 'o0'}-{str(t)[6:]}-L{layer}" for f, d, o, t, layer in CASES]
 
