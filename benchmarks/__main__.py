@@ -39,13 +39,14 @@ def _full_calibration(path: Path) -> bool:
     """The default artifact exists and is a full calibration of every format (not the small one
     `vllm-temporalkv serve` makes on first use)."""
     from vllm_temporalkv.artifact import Artifact, ArtifactError
-    from vllm_temporalkv.formats import FORMATS
+    from vllm_temporalkv.formats import calibrated_formats
 
     try:
         art = Artifact.load(path)
     except ArtifactError:
         return False
-    return not art.calibration.get("first_use") and set(FORMATS) <= set(art.formats)
+    # the formats with codebooks of their own (the calibration-free ones, mixes and K/V pairs never have any)
+    return not art.calibration.get("first_use") and set(calibrated_formats()) <= set(art.formats)
 
 
 def main(argv=None) -> int:

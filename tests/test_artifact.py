@@ -237,3 +237,17 @@ def test_local_kv_heads(monkeypatch, total, local, tp, rank, want):
     monkeypatch.setattr(dist, "get_tensor_model_parallel_world_size", lambda: tp)
     monkeypatch.setattr(dist, "get_tensor_model_parallel_rank", lambda: rank)
     assert compat.local_kv_heads(total, local) == want
+
+
+def test_full_calibration_is_every_codebook_format(tmp_path):
+    """`python -m benchmarks` re-calibrates unless the default artifact holds every format that has codebooks of its
+    own (not the calibration-free ones, mixes or K/V pairs, which no artifact holds)."""
+    from benchmarks.__main__ import _full_calibration
+    from vllm_temporalkv.formats import calibrated_formats
+
+    assert _full_calibration(synthetic_artifact(CFG, calibrated_formats()).save(tmp_path / "full.safetensors"))
+    assert not _full_calibration(synthetic_artifact(CFG, ["temporalkv-2bit"]).save(tmp_path / "one.safetensors"))
+    first = synthetic_artifact(CFG, calibrated_formats())
+    first.calibration["first_use"] = True  # the small one `vllm-temporalkv serve` makes
+    assert not _full_calibration(first.save(tmp_path / "first.safetensors"))
+    assert not _full_calibration(tmp_path / "missing.safetensors")
