@@ -111,23 +111,29 @@ def capacity_table(h: dict) -> list[str]:
 
 
 def retrieval_table(h: dict) -> list[str]:
-    rows = _grouped(h, r"retrieval\.([^.]+)\.(.+)\.(avg_accuracy(?:_4k_8k)?(?:_ci_low|_ci_high)?)")
+    rows = _grouped(h, r"retrieval\.([^.]+)\.(.+)\.((?:avg_accuracy(?:_4k_8k)?|ratio_vs_auto_4k_8k)(?:_ci_low|_ci_high)?"
+                       r"|samples)")
     out = []
     for name, r in sorted(rows.items()):
         base = r.get("auto", {})
         out += [f"**Long-context retrieval through the server, {name}** (RULER-style tasks, accuracy 0-1; details, "
                 f"paired comparisons and the command in [benchmarks/results/retrieval.md](benchmarks/results/retrieval.md); "
-                f"brackets: 95% bootstrap intervals over the prompts)", "",
-                "| --kv-cache-dtype | average | 4k-8k | 4k-8k ÷ auto |", "|---|---|---|---|"]
+                f"brackets: 95% bootstrap intervals over the prompts; prompts: samples per task and length; the ratio "
+                f"is paired with auto on the prompts both answered)", "",
+                "| --kv-cache-dtype | prompts | average | 4k-8k | 4k-8k ÷ auto |", "|---|---|---|---|---|"]
         def ci(x, metric):  # the 95% bootstrap interval, where the run measured one
             lo, hi = x.get(metric + "_ci_low"), x.get(metric + "_ci_high")
             return "" if lo is None or hi is None else f" [{lo:.2f}, {hi:.2f}]"
 
         for f, x in sorted(r.items(), key=lambda kv: (kv[0] != "auto", kv[0] != "fp8", kv[0])):
             long, bl = x.get("avg_accuracy_4k_8k"), base.get("avg_accuracy_4k_8k")
-            ratio = _fmt(long / bl) if long is not None and bl else "–"
-            out.append(f"| {f} | {_fmt(x.get('avg_accuracy'), 3)}{ci(x, 'avg_accuracy')} | {_fmt(long, 3)}"
-                       f"{ci(x, 'avg_accuracy_4k_8k')} | {ratio} |")
+            if x.get("ratio_vs_auto_4k_8k") is not None:
+                ratio = _fmt(x["ratio_vs_auto_4k_8k"]) + ci(x, "ratio_vs_auto_4k_8k")
+            else:  # runs before the paired figure: unpaired means
+                ratio = _fmt(long / bl) if long is not None and bl else "–"
+            n = x.get("samples")
+            out.append(f"| {f} | {'–' if n is None else int(n)} | {_fmt(x.get('avg_accuracy'), 3)}"
+                       f"{ci(x, 'avg_accuracy')} | {_fmt(long, 3)}{ci(x, 'avg_accuracy_4k_8k')} | {ratio} |")
         out.append("")
     return out
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import hashlib
 import json
 import random
 import re
@@ -262,9 +263,15 @@ def hash_seed(x: float) -> int:
 
 
 # ---------------------------------------------------------------- scoring a server
+def prompt_sha(prompt: str) -> str:
+    """A short fingerprint of a prompt: a resumed run reuses a record only for the very prompt it answered."""
+    return hashlib.sha256(prompt.encode()).hexdigest()[:16]
+
+
 def run_suite(url: str, model: str, samples: list[Sample], concurrency: int = 4, timeout: float = 3600,
-              desc: str = "requests") -> list[dict]:
-    """Greedy completions for every sample; returns one record per sample (output and score)."""
+              desc: str = "requests", on_record=None) -> list[dict]:
+    """Greedy completions for every sample; returns one record per sample (output and score), in the order of
+    ``samples``.  ``on_record(rec)`` is called as each one completes (a long run checkpoints with it)."""
     import openai
 
     client = openai.OpenAI(base_url=url, api_key="none", timeout=timeout, max_retries=0)
@@ -273,12 +280,42 @@ def run_suite(url: str, model: str, samples: list[Sample], concurrency: int = 4,
         r = client.completions.create(model=model, prompt=s.prompt, max_tokens=s.max_tokens, temperature=0)
         text = r.choices[0].text
         return {"task": s.task, "length": s.length, "index": s.index, "answers": s.answers, "output": text,
-                "score": score(text, s.answers), "prompt_tokens": r.usage.prompt_tokens}
+                "score": score(text, s.answers), "prompt_tokens": r.usage.prompt_tokens,
+                "prompt_sha": prompt_sha(s.prompt)}
 
     with cf.ThreadPoolExecutor(concurrency) as ex:
-        futs = [ex.submit(one, s) for s in samples]
-        recs = [f.result() for f in tqdm(futs, desc=desc, unit="req", leave=False)]
+        futs = {ex.submit(one, s): i for i, s in enumerate(samples)}
+        recs: list[dict | None] = [None] * len(samples)
+        for f in tqdm(cf.as_completed(futs), total=len(futs), desc=desc, unit="req", leave=False):
+            recs[futs[f]] = f.result()
+            if on_record is not None:
+                on_record(recs[futs[f]])
     return recs
+
+
+def record_key(r) -> tuple[str, int, int]:
+    return (r["task"], r["length"], r["index"])
+
+
+def reusable(prev: list[dict], samples: list[Sample]) -> dict[tuple, dict]:
+    """The earlier records that answered one of ``samples`` exactly: same task, length and index (the suite
+    draws each sample from its own seed, so a 10-sample suite begins with the 1-sample one), the same
+    reference answers and, where recorded, the same prompt."""
+    want = {(s.task, s.length, s.index): s for s in samples}
+    out = {}
+    for r in prev:
+        s = want.get(record_key(r))
+        if s is not None and r.get("answers") == s.answers and r.get("prompt_sha", prompt_sha(s.prompt)) == prompt_sha(s.prompt):
+            out[record_key(r)] = r
+    return out
+
+
+def samples_per_cell(recs: list[dict]) -> int:
+    """Prompts per task and length (the fewest any cell has)."""
+    by: dict[tuple[str, int], int] = {}
+    for r in recs:
+        by[(r["task"], r["length"])] = by.get((r["task"], r["length"]), 0) + 1
+    return min(by.values()) if by else 0
 
 
 def summarize(recs: list[dict]) -> dict:
@@ -295,63 +332,82 @@ def summarize(recs: list[dict]) -> dict:
             "avg_accuracy": sum(per_len.values()) / len(per_len)}
 
 
+CHECKPOINT_S = 30  # a long run writes what it scored this often (seconds), for --resume
 BOOT = 2000  # bootstrap resamples
 CI = 0.95
 
 
-def _stratified_means(recs_by_fmt: dict[str, list[dict]], lengths: list[int], rounds: int, seed: int) -> dict:
-    """Bootstrap of the averages ``summarize`` reports: at every length, the prompts (all tasks) are drawn with
-    replacement - the same draws for every format (a paired comparison: formats answer the same prompts) - and
-    averaged, then over lengths.  With equal samples per task, as the suite builds, a length's mean over its
-    prompts is summarize's mean over tasks; strata of whole lengths still vary with one sample per task.
-    -> format -> {"avg": [rounds], "long": [rounds], "by_length": {n: [rounds]}}."""
+def _boot_length(scores: dict[tuple, float], keys: list[tuple], rounds: int, rng) -> "np.ndarray":
     import numpy as np
 
-    rng = np.random.default_rng(seed)
-    fmts = list(recs_by_fmt)
-    order = lambda rs, n: sorted((r for r in rs if r["length"] == n), key=lambda r: (r["task"], r["index"]))  # noqa: E731
+    idx = rng.integers(0, len(keys), size=(rounds, len(keys)))
+    return np.array([scores[k] for k in keys])[idx].mean(1)
+
+
+def _stratified_means(recs: list[dict], lengths: list[int], rounds: int, seed: int,
+                      paired: list[dict] | None = None, keys: set | None = None) -> dict:
+    """Bootstrap of the averages ``summarize`` reports: at every length, the prompts (all tasks) are drawn with
+    replacement and averaged, then over lengths.  With equal samples per task, as the suite builds, a length's
+    mean over its prompts is summarize's mean over tasks.  ``keys`` restricts the draw to those prompts;
+    ``paired`` (another format's records) is drawn with the very same draws, so a difference or ratio is
+    paired on the prompts both answered.
+    -> {"avg", "long", "by_length": {n: ...}} (arrays of ``rounds``), and "paired_avg" / "paired_long"."""
+    import numpy as np
+
     long = [n for n in lengths if n >= 4096]
-    by_len = {f: {} for f in fmts}
+    own = {record_key(r): r["score"] for r in recs}
+    other = {record_key(r): r["score"] for r in paired} if paired is not None else None
+    out = {"by_length": {}, "paired_by_length": {}}
     for n in lengths:
-        ref = [(r["task"], r["index"]) for r in order(recs_by_fmt[fmts[0]], n)]
-        idx = rng.integers(0, len(ref), size=(rounds, len(ref)))
-        for f in fmts:
-            rs = order(recs_by_fmt[f], n)
-            if [(r["task"], r["index"]) for r in rs] != ref:
-                raise ValueError(f"{f} answered other prompts than {fmts[0]} at length {n}: cannot pair them")
-            by_len[f][n] = np.array([r["score"] for r in rs])[idx].mean(1)
-    out = {}
-    for f in fmts:
-        out[f] = {"by_length": by_len[f], "avg": sum(by_len[f].values()) / len(lengths),
-                  "long": sum(by_len[f][n] for n in long) / len(long) if long else np.zeros(rounds)}
+        ks = sorted(k for k in own if k[1] == n and (keys is None or k in keys)
+                    and (other is None or k in other))
+        if not ks:
+            raise ValueError(f"no prompts at length {n} to draw from")
+        rng = np.random.default_rng([seed, n])  # the same draws for every format with the same prompts
+        out["by_length"][n] = _boot_length(own, ks, rounds, rng)
+        if other is not None:
+            out["paired_by_length"][n] = _boot_length(other, ks, rounds, np.random.default_rng([seed, n]))
+    for tag, by in (("", out["by_length"]), ("paired_", out["paired_by_length"])):
+        if by:
+            out[tag + "avg"] = sum(by.values()) / len(lengths)
+            out[tag + "long"] = sum(by[n] for n in long) / len(long) if long else np.zeros(rounds)
     return out
 
 
 def intervals(results: dict, lengths: list[int], rounds: int = BOOT, seed: int = 0) -> None:
     """Add 95% bootstrap intervals to each scored format of ``results`` (in place): ``avg_ci``, ``long_ci``,
-    ``per_length_ci`` and, paired against ``auto`` on the same prompts, ``long_ratio_ci`` (4k-8k ÷ auto) and
-    ``long_diff_ci`` (4k-8k minus auto)."""
+    ``per_length_ci`` and, paired against ``auto`` on the prompts both answered, ``long_ratio`` /
+    ``long_ratio_ci`` (4k-8k ÷ auto) and ``long_diff_ci`` (4k-8k minus auto)."""
     import numpy as np
 
     ok = {f: r["records"] for f, r in results.items() if "error" not in r and r.get("records")}
-    if not ok:
-        return
-    boot = _stratified_means(ok, lengths, rounds, seed)
     q = lambda a: [float(np.quantile(a, (1 - CI) / 2)), float(np.quantile(a, (1 + CI) / 2))]  # noqa: E731
-    base = boot.get("auto")
-    for f, b in boot.items():
+    base = ok.get("auto")
+    for f, recs in ok.items():
         r = results[f]
+        b = _stratified_means(recs, lengths, rounds, seed)
         r["avg_ci"] = q(b["avg"])
         r["per_length_ci"] = {str(n): q(v) for n, v in b["by_length"].items()}
-        if any(n >= 4096 for n in lengths):
-            r["long_ci"] = q(b["long"])
-            if base is not None and f != "auto":
-                r["long_diff_ci"] = q(b["long"] - base["long"])
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    ratio = b["long"] / base["long"]
-                ratio = ratio[np.isfinite(ratio)]
-                if ratio.size:
-                    r["long_ratio_ci"] = q(ratio)
+        if not any(n >= 4096 for n in lengths):
+            continue
+        r["long_ci"] = q(b["long"])
+        if base is None or f == "auto":
+            continue
+        common = {record_key(x) for x in recs} & {record_key(x) for x in base}
+        pb = _stratified_means(recs, lengths, rounds, seed, paired=base, keys=common)
+        mean = lambda rs: summarize([x for x in rs if record_key(x) in common])  # noqa: E731
+        mine, theirs = mean(recs), mean(base)
+        long = [str(n) for n in lengths if n >= 4096]
+        la, lb = (sum(m["per_length"][n] for n in long) / len(long) for m in (mine, theirs))
+        r["long_ratio"] = la / lb if lb else None  # on the prompts both answered
+        r["long_diff"] = la - lb
+        r["paired_prompts"] = len(common)
+        r["long_diff_ci"] = q(pb["long"] - pb["paired_long"])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = pb["long"] / pb["paired_long"]
+        ratio = ratio[np.isfinite(ratio)]
+        if ratio.size:
+            r["long_ratio_ci"] = q(ratio)
 
 
 def _ci(x) -> str:
@@ -359,7 +415,7 @@ def _ci(x) -> str:
 
 
 # ---------------------------------------------------------------- the runner
-def serve_and_score(model: str, fmt: str, samples: list[Sample], args) -> dict:
+def serve_and_score(model: str, fmt: str, samples: list[Sample], args, on_record=None) -> dict:
     from .vllm_server import VLLMServer
 
     from vllm_temporalkv.formats import FORMATS
@@ -387,12 +443,32 @@ def serve_and_score(model: str, fmt: str, samples: list[Sample], args) -> dict:
     s.start()
     try:
         t1 = time.time()
-        recs = run_suite(s.url, "model", samples, args.concurrency, desc=fmt)
+        recs = run_suite(s.url, "model", samples, args.concurrency, desc=fmt, on_record=on_record)
         t2 = time.time()
     finally:
         s.stop()
-    return {"records": recs, **summarize(recs), "kv_tokens": s.kv_capacity_tokens(),
-            "startup_s": round(t1 - t0, 1), "suite_s": round(t2 - t1, 1)}
+    return {"records": recs, "kv_tokens": s.kv_capacity_tokens(), "startup_s": round(t1 - t0, 1),
+            "suite_s": round(t2 - t1, 1), "suite_prompts": len(recs)}
+
+
+def artifact_digest(model: str, fmt: str, artifact: str | None) -> str | None:
+    """The content digest of the artifact a plugin format is served from (None for formats that read none):
+    records are reused across runs only from the same calibration."""
+    from safetensors import safe_open
+
+    from vllm_temporalkv.artifact import default_artifact_path
+    from vllm_temporalkv.formats import FORMATS, get_format
+
+    base = fmt.partition("@")[0]
+    base = base[:-3] if base.endswith("-o1") and base[:-3] in FORMATS else base
+    if base not in FORMATS or not get_format(base).needs_calibration:
+        return None
+    path = Path(artifact) if artifact else default_artifact_path(model)
+    if not path.is_file():
+        return "missing"
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    return meta.get("content_sha256") or hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def write_markdown(rep: dict, path: Path) -> None:
@@ -403,24 +479,25 @@ def write_markdown(rep: dict, path: Path) -> None:
              *[f"Command: `{c}`  " for c in dict.fromkeys(r.get("command", rep["run"]["command"])
                                                           for r in rep["formats"].values())],
              f"Machine: {rep['run']['machine']['cpu']}, {rep['run']['time']}  ",
-             f"{st['samples']} samples per task and length, seed {st['seed']}, greedy, --dtype "
-             f"{st.get('dtype', 'bfloat16')}; haystacks from Jane Austen's "
-             "novels; accuracy = share of reference strings in the answer (RULER's string match).", "",
-             f"Brackets: {CI:.0%} bootstrap intervals ({BOOT} resamples of the prompts at each length; the ratio and "
-             "difference to auto paired on the same prompts). With few samples they are wide.", "",
+             f"Seed {st['seed']}, greedy, --dtype {st.get('dtype', 'bfloat16')}; haystacks from Jane Austen's "
+             "novels; accuracy = share of reference strings in the answer (RULER's string match). Prompts: samples "
+             "per task and length (a format run with more samples answers the fewer-sample suite's prompts too).", "",
+             f"Brackets: {CI:.0%} bootstrap intervals ({BOOT} resamples of the prompts at each length). The ratio and "
+             "difference to auto are paired: on the prompts both answered, with the same draws. With few samples "
+             "the intervals are wide.", "",
              "## Average accuracy by length", "",
-             "| --kv-cache-dtype | " + " | ".join(lengths) + " | average | 4k-8k | 4k-8k ÷ auto | 4k-8k - auto |",
-             "|---|" + "---|" * (len(lengths) + 4)]
-    base = res.get("auto", {}).get("long_avg")
+             "| --kv-cache-dtype | prompts | " + " | ".join(lengths)
+             + " | average | 4k-8k | 4k-8k ÷ auto | 4k-8k - auto |",
+             "|---|---|" + "---|" * (len(lengths) + 4)]
     for f, r in res.items():
         if "error" in r:
-            lines.append(f"| {f} | " + " | ".join("–" for _ in lengths) + f" | refused: {r['error'][:120]} | | |")
+            lines.append(f"| {f} | | " + " | ".join("–" for _ in lengths) + f" | refused: {r['error'][:120]} | | |")
             continue
-        ratio = f"{r['long_avg'] / base:.2f}{_ci(r.get('long_ratio_ci'))}" if base and r.get("long_avg") is not None else "–"
+        ratio = f"{r['long_ratio']:.2f}{_ci(r.get('long_ratio_ci'))}" if r.get("long_ratio") is not None else "–"
         la = "–" if r.get("long_avg") is None else f"{r['long_avg']:.3f}{_ci(r.get('long_ci'))}"
-        diff = (f"{r['long_avg'] - res['auto']['long_avg']:+.3f}{_ci(r.get('long_diff_ci'))}"
-                if "long_diff_ci" in r else "–")
-        lines.append(f"| {f} | " + " | ".join(f"{r['per_length'].get(n, float('nan')):.3f}" for n in lengths)
+        diff = f"{r['long_diff']:+.3f}{_ci(r.get('long_diff_ci'))}" if r.get("long_diff") is not None else "–"
+        lines.append(f"| {f} | {samples_per_cell(r['records'])} | "
+                     + " | ".join(f"{r['per_length'].get(n, float('nan')):.3f}" for n in lengths)
                      + f" | {r['avg_accuracy']:.3f}{_ci(r.get('avg_ci'))} | {la} | {ratio} | {diff} |")
     lines += ["", "## Per task (all lengths)", "", "| --kv-cache-dtype | " + " | ".join(st["tasks"]) + " |",
               "|---|" + "---|" * len(st["tasks"])]
@@ -433,12 +510,15 @@ def write_markdown(rep: dict, path: Path) -> None:
         if "error" not in r:
             lines.append(f"| {f} | " + " | ".join(f"{r['cells'].get(f'{t}@{n}', float('nan')):.2f}"
                                                   for t in st["tasks"] for n in lengths) + " |")
-    lines += ["", "## Wall time", "", "| --kv-cache-dtype | server start-up s | suite s | suite ÷ auto |", "|---|---|---|---|"]
-    base_s = res.get("auto", {}).get("suite_s")
+    lines += ["", "## Wall time", "", "| --kv-cache-dtype | server start-up s | prompts timed | suite s | s per prompt "
+              "| ÷ auto |", "|---|---|---|---|---|---|"]
+    per = lambda r: r["suite_s"] / r.get("suite_prompts", len(r["records"]))  # noqa: E731
+    base_s = per(res["auto"]) if res.get("auto", {}).get("suite_s") else None
     for f, r in res.items():
         if "error" not in r and r.get("suite_s") is not None:
-            ratio = f"{r['suite_s'] / base_s:.2f}" if base_s else "–"
-            lines.append(f"| {f} | {r.get('startup_s', '–')} | {r['suite_s']} | {ratio} |")
+            ratio = f"{per(r) / base_s:.2f}" if base_s else "–"
+            lines.append(f"| {f} | {r.get('startup_s', '–')} | {r.get('suite_prompts', len(r['records']))} | "
+                         f"{r['suite_s']} | {per(r):.1f} | {ratio} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -523,34 +603,76 @@ def main(argv=None):
                 "seed": args.seed, "concurrency": args.concurrency, "max_num_batched_tokens": args.max_num_batched_tokens,
                 "dtype": args.dtype}
     out = Path(args.out)
-    results = {}
-    if args.resume and (out / "retrieval.json").is_file():  # keep the formats an identical earlier run finished
+    results, partial = {}, {}
+    if args.resume and (out / "retrieval.json").is_file():  # keep what an earlier run with the same suite scored
         prev = json.loads((out / "retrieval.json").read_text())
-        # runs before --dtype existed served bfloat16
-        same = (all(prev["settings"].get(k) == settings[k] for k in ("tasks", "lengths", "samples", "seed"))
+        # runs before --dtype existed served bfloat16; the sample count may differ (records are matched one by one)
+        same = (all(prev["settings"].get(k) == settings[k] for k in ("tasks", "lengths", "seed"))
                 and prev["settings"].get("dtype", "bfloat16") == settings["dtype"])
         if same:
             results = {f: r for f, r in prev["formats"].items() if "error" not in r}
-            print(f"resuming: {', '.join(results) or 'nothing'} already scored")
+            partial = prev.get("partial", {})
+            print(f"resuming: {', '.join(results) or 'nothing'} scored"
+                  + (f"; {', '.join(partial)} part-way" if partial else ""))
         else:
-            print("not resuming: the earlier run had other tasks, lengths, samples, seed or dtype")
+            print("not resuming: the earlier run had other tasks, lengths, seed or dtype")
+
+    def save():
+        write_json(out / "retrieval.json", {"settings": settings, "formats": results, "run": run_record(),
+                                            **({"partial": partial} if partial else {})})
+
     if args.url:
         recs = run_suite(args.url, args.served_model_name or "model", samples, args.concurrency)
         results[args.served_model_name or args.url] = {"records": recs, **summarize(recs)}
     else:
         fmts = args.formats or default_formats()
         for fmt in tqdm(fmts, desc="servers", unit="server"):
-            if fmt in results:
+            digest = artifact_digest(model, fmt, args.artifact)
+            old = results.get(fmt, {})
+            if old.get("artifact_sha256") != digest and digest is not None:
+                old = {}  # another calibration: nothing to reuse
+            half = partial.get(fmt, {})
+            if half.get("artifact_sha256") != digest:
+                half = {}
+            have = reusable(old.get("records", []) + half.get("records", []), samples)
+            todo = [x for x in samples if (x.task, x.length, x.index) not in have]
+            if not todo:
                 continue
+            # records of indices beyond this run's samples (an earlier, longer run) stay
+            kept = [r for r in old.get("records", []) if record_key(r) not in have] + list(have.values())
+            done, last = list(kept), [time.time()]
+
+            def checkpoint(rec, done=done, last=last, fmt=fmt, digest=digest):
+                done.append(rec)
+                if time.time() - last[0] > CHECKPOINT_S:  # a long run can be stopped and resumed at any point
+                    partial[fmt] = {"records": list(done), "artifact_sha256": digest}
+                    save()
+                    last[0] = time.time()
+
+            if have:
+                tqdm.write(f"{fmt}: {len(have)} prompts already scored, {len(todo)} to go")
             try:
-                results[fmt] = {**serve_and_score(model, fmt, samples, args), "command": run_record()["command"]}
+                r = serve_and_score(model, fmt, todo, args, on_record=checkpoint)
+                recs = sorted(kept + r.pop("records"), key=record_key)
+                r["startup_s"] = r["startup_s"] if not old else old.get("startup_s", r["startup_s"])
+                if old.get("suite_s") is not None and old.get("records"):  # time summed over the top-ups
+                    r["suite_s"] = round(old["suite_s"] + r["suite_s"], 1)
+                    r["suite_prompts"] = old.get("suite_prompts", len(old["records"])) + r["suite_prompts"]
+                results[fmt] = {"records": recs, **summarize(recs), "samples": samples_per_cell(recs),
+                                **{k: v for k, v in r.items()}, "artifact_sha256": digest,
+                                "command": run_record()["command"]}
             except Exception as e:  # a refusing format is a result, not the end of the run
-                results[fmt] = {"error": f"{type(e).__name__}: {e}"[-600:]}
-            r = results[fmt]
+                if not old:
+                    results[fmt] = {"error": f"{type(e).__name__}: {e}"[-600:]}
+                else:
+                    tqdm.write(f"{fmt}: the top-up failed ({type(e).__name__}: {e}); keeping the earlier records")
+            partial.pop(fmt, None)
+            r = results.get(fmt, {})
             tqdm.write(f"{fmt:20} " + (r["error"] if "error" in r else
                                         f"avg {r['avg_accuracy']:.3f} per length {r['per_length']}"))
-            write_json(out / "retrieval.json", {"settings": settings, "formats": results, "run": run_record()})
-    return report({"settings": settings, "formats": results, "run": run_record()}, out)
+            save()
+    return report({"settings": settings, "formats": results, "run": run_record(),
+                   **({"partial": partial} if partial else {})}, out)
 
 
 def report(rep: dict, out: Path) -> dict:
@@ -560,6 +682,7 @@ def report(rep: dict, out: Path) -> dict:
     for r in results.values():
         if "error" not in r:
             r["long_avg"] = sum(r["per_length"][n] for n in long) / len(long) if long else None
+            r["samples"] = samples_per_cell(r["records"])
     intervals(results, st["lengths"])
     write_json(out / "retrieval.json", rep)
     write_markdown(rep, out / "retrieval.md")
@@ -570,12 +693,17 @@ def report(rep: dict, out: Path) -> dict:
             if "error" not in r:
                 p = f"retrieval.{st['name']}.{f}."
                 figs[p + "avg_accuracy"] = r["avg_accuracy"]
+                figs[p + "samples"] = r["samples"]  # prompts per task and length
                 if "avg_ci" in r:
                     figs[p + "avg_accuracy_ci_low"], figs[p + "avg_accuracy_ci_high"] = r["avg_ci"]
                 if r.get("long_avg") is not None:  # the lengths >= 4096 (the issue's 4k-8k criterion)
                     figs[p + "avg_accuracy_4k_8k"] = r["long_avg"]
                     if "long_ci" in r:
                         figs[p + "avg_accuracy_4k_8k_ci_low"], figs[p + "avg_accuracy_4k_8k_ci_high"] = r["long_ci"]
+                if r.get("long_ratio") is not None:  # paired with auto on the prompts both answered
+                    figs[p + "ratio_vs_auto_4k_8k"] = r["long_ratio"]
+                    if "long_ratio_ci" in r:
+                        figs[p + "ratio_vs_auto_4k_8k_ci_low"], figs[p + "ratio_vs_auto_4k_8k_ci_high"] = r["long_ratio_ci"]
         merge_headline(figs, HEADLINE)
     print((out / "retrieval.md").read_text())
     return rep

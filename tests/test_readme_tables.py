@@ -10,6 +10,11 @@ def test_render_places_every_kind_of_figure():
          "capacity.smollm2-cpu.temporalkv-2bit.ratio_vs_auto": 7.1, "capacity.smollm2-cpu.fp8.ratio_vs_auto": 2.0,
          "retrieval.smollm2.auto.avg_accuracy": 0.8, "retrieval.smollm2.auto.avg_accuracy_4k_8k": 0.5,
          "retrieval.smollm2.temporalkv-2bit.avg_accuracy": 0.7, "retrieval.smollm2.temporalkv-2bit.avg_accuracy_4k_8k": 0.4,
+         "retrieval.smollm2.auto.samples": 10, "retrieval.smollm2.temporalkv-2bit.samples": 10,
+         "retrieval.smollm2.temporalkv-4bit.avg_accuracy": 0.75, "retrieval.smollm2.temporalkv-4bit.avg_accuracy_4k_8k": 0.45,
+         "retrieval.smollm2.temporalkv-4bit.ratio_vs_auto_4k_8k": 0.95,
+         "retrieval.smollm2.temporalkv-4bit.ratio_vs_auto_4k_8k_ci_low": 0.81,
+         "retrieval.smollm2.temporalkv-4bit.ratio_vs_auto_4k_8k_ci_high": 1.02,
          "throughput.h100-l8b.8192-512.auto.output_tok_s": 1234.5,
          "fisher.wiki-leads-8w.temporalkv-2bit@fisher.proxy_in_sample": 0.0957,
          "fisher.wiki-leads-8w.temporalkv-2bit@fisher.proxy_held_out": 0.3232,
@@ -21,7 +26,9 @@ def test_render_places_every_kind_of_figure():
     assert "7.10" in text and "fp8 2.00×" in text
     lines = text.splitlines()
     auto = next(i for i, ln in enumerate(lines) if ln.startswith("| auto |"))
-    assert lines[auto] == "| auto | 0.800 | 0.500 | 1.00 |"
-    assert lines[auto + 1] == "| temporalkv-2bit | 0.700 | 0.400 | 0.80 |"
+    assert lines[auto] == "| auto | 10 | 0.800 | 0.500 | 1.00 |"
+    assert lines[auto + 1] == "| temporalkv-2bit | 10 | 0.700 | 0.400 | 0.80 |"
+    # a paired ratio (on the prompts both answered) is shown as measured, not as a ratio of the means
+    assert lines[auto + 2] == "| temporalkv-4bit | – | 0.750 | 0.450 | 0.95 [0.81, 1.02] |"
     assert "| wiki-leads-8w | temporalkv-2bit | fisher | 0.096 | 0.323 | 40.42 |" in lines
     assert "throughput.h100-l8b.8192-512.auto.output_tok_s" in text and "1234.500" in text

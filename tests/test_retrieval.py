@@ -102,6 +102,72 @@ def test_runner_end_to_end(tmp_path, smollm2_dir, tiny_artifact, builder):
     assert (HEADLINE.read_bytes() if HEADLINE.is_file() else None) == before
 
 
+def test_resume_tops_up_sample_by_sample(tmp_path, smollm2_dir, tiny_artifact, monkeypatch):
+    """--resume reuses records one prompt at a time: a larger --samples runs only the new prompts, a run
+    stopped part-way resumes from its last checkpoint, and another calibration discards the plugin format's
+    records (not auto's).  The server is replaced by a recorder here; the real one is in the test above."""
+    import shutil
+
+    from benchmarks import retrieval
+
+    served: list[tuple[str, list]] = []
+    crash_after: dict[str, int] = {}
+
+    def fake_serve(model, fmt, samples, args, on_record=None):
+        served.append((fmt, [(s.task, s.length, s.index) for s in samples]))
+        recs = []
+        for s in samples:
+            if crash_after.get(fmt) == len(recs):
+                raise KeyboardInterrupt  # the session ends mid-run
+            rec = {"task": s.task, "length": s.length, "index": s.index, "answers": s.answers, "output": "x",
+                   "score": float(s.index % 2), "prompt_tokens": s.prompt_tokens,
+                   "prompt_sha": retrieval.prompt_sha(s.prompt)}
+            recs.append(rec)
+            on_record(rec)
+        return {"records": recs, "kv_tokens": 1, "startup_s": 1.0, "suite_s": float(len(recs)),
+                "suite_prompts": len(recs)}
+
+    monkeypatch.setattr(retrieval, "serve_and_score", fake_serve)
+    monkeypatch.setattr(retrieval, "CHECKPOINT_S", -1)  # checkpoint after every record
+    out = tmp_path / "out"
+    run = lambda n, *fmts, art=tiny_artifact: retrieval.main(  # noqa: E731
+        ["--formats", *fmts, "--artifact", str(art), "--tasks", "niah_single", "vt", "--lengths", "1024", "4096",
+         "--samples", str(n), "--resume", "--out", str(out)])
+    run(1, "auto", "temporalkv-2bit")
+    first = json.loads((out / "retrieval.json").read_text())["formats"]
+    served.clear()
+    run(3, "auto", "temporalkv-2bit")
+    assert [len(k) for _, k in served] == [8, 8]  # 2 tasks x 2 lengths x 2 new samples each
+    assert all(k[2] in (1, 2) for _, ks in served for k in ks)
+    rep = json.loads((out / "retrieval.json").read_text())["formats"]
+    for f in ("auto", "temporalkv-2bit"):
+        assert rep[f]["samples"] == 3 and len(rep[f]["records"]) == 12
+        old = {retrieval.record_key(r): r for r in first[f]["records"]}
+        assert all(r == old[retrieval.record_key(r)] for r in rep[f]["records"] if r["index"] == 0)
+        assert rep[f]["suite_prompts"] == 12  # the time of both runs, over the prompts of both
+    assert rep["temporalkv-2bit"]["paired_prompts"] == 12
+    # stopped after 5 of 8 new prompts: the 5 are kept and not asked again
+    served.clear()
+    crash_after["auto"] = 5
+    with pytest.raises(KeyboardInterrupt):
+        run(5, "auto")
+    saved = json.loads((out / "retrieval.json").read_text())
+    assert len(saved["partial"]["auto"]["records"]) == 12 + 5 and saved["formats"]["auto"]["samples"] == 3
+    crash_after.clear()
+    served.clear()
+    run(5, "auto")
+    assert [len(k) for _, k in served] == [3]
+    rep = json.loads((out / "retrieval.json").read_text())
+    assert rep["formats"]["auto"]["samples"] == 5 and "partial" not in rep
+    # another artifact: the plugin format starts over, auto (which reads none) does not
+    other = tmp_path / "other.safetensors"
+    shutil.copy(tiny_artifact, other)
+    monkeypatch.setattr(retrieval, "artifact_digest", lambda model, fmt, art: None if fmt == "auto" else "other")
+    served.clear()
+    run(5, "auto", "temporalkv-2bit", art=other)
+    assert [(f, len(k)) for f, k in served] == [("temporalkv-2bit", 20)]
+
+
 def test_intervals_are_paired_bootstrap(tmp_path):
     """95% intervals on the averages; the comparison with auto is paired (same prompts, same draws): a format
     that answers exactly as auto has a difference interval of [0, 0] even where both vary."""
