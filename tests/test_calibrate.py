@@ -41,29 +41,68 @@ def test_artifact_fits_smollm2(tiny_artifact, smollm2_dir):
 
 
 def test_interrupted_calibration_resumes_to_the_same_artifact(tiny_artifact, smollm2_dir, tmp_path, monkeypatch):
+    """Stopped during the collection (streamed to disk a window at a time here) and again during the fit, it
+    resumes where it stopped - and the result is the artifact of one uninterrupted run (collected 4 windows a
+    file: the file size changes nothing)."""
+    from vllm_temporalkv.calibration import collect
+
     out = tmp_path / "resumed.safetensors"
-    real = calibrate.fit_layer
+    real, real_collect = calibrate.fit_layer, collect.collect_kv_grads
+    calls = []
 
     def failing(layer, *a, **kw):
         if layer == 3:
             raise KeyboardInterrupt
         return real(layer, *a, **kw)
 
+    def collect_once(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_collect(*a, **kw)
+
     kw = dict(model=str(smollm2_dir), formats=TINY_FORMATS, num_samples=2, seq_len=256, iters=5,
               output=out, progress=False, log=lambda *a: None)
+    monkeypatch.setattr(calibrate, "COLLECT_CHUNK", 1)
+    monkeypatch.setattr(collect, "collect_kv_grads", collect_once)
+    work = tmp_path / "resumed.safetensors.work"
+    with pytest.raises(KeyboardInterrupt):
+        calibrate.run_calibration(**kw)
+    assert sorted(p.name for p in work.glob("collected*")) == ["collected.00000.safetensors"]
     monkeypatch.setattr(calibrate, "fit_layer", failing)
     with pytest.raises(KeyboardInterrupt):
         calibrate.run_calibration(**kw)
-    work = tmp_path / "resumed.safetensors.work"
-    assert (work / "collected.safetensors").is_file()
+    assert len(calls) == 3  # the second window only: the first was on disk
+    assert sorted(p.name for p in work.glob("collected*")) == ["collected.00000.safetensors",
+                                                               "collected.00001.safetensors"]
     assert sorted(p.name for p in work.glob("layer_*")) == [f"layer_{i:03d}.safetensors" for i in range(3)]
     monkeypatch.setattr(calibrate, "fit_layer", real)
     calibrate.run_calibration(**kw)
-    assert not work.exists()
+    assert len(calls) == 3 and not work.exists()
     a, b = Artifact.load(out), Artifact.load(tiny_artifact)
     assert a.layer_methods == b.layer_methods
     for k in b.codebooks:
         assert torch.equal(a.codebooks[k], b.codebooks[k]), k
+
+
+def test_collected_store_reads_a_layer_in_window_order(smollm2_dir, tmp_path):
+    """The streamed collection returns, layer by layer, exactly what one in-memory collection holds; reading
+    an incomplete one is refused."""
+    from vllm_temporalkv.calibration.collect import CollectedStore, collect_kv_grads
+
+    model = load_hf_model(smollm2_dir, attn_implementation="sdpa")
+    ids = torch.randint(100, 4000, (3, 64), generator=torch.Generator().manual_seed(0))
+    store = CollectedStore(tmp_path, 3, chunk=2)
+    with pytest.raises(FileNotFoundError, match="incomplete"):
+        store.layer(0)
+    store.collect(model, ids, progress=False)
+    assert store.missing() == [] and len(list(tmp_path.glob("collected.*.safetensors"))) == 2
+    acts, grads = collect_kv_grads(model, ids, progress=False)
+    for layer in (0, 17, 29):
+        a, g = store.layer(layer)
+        for kv in "kv":
+            assert a[kv].shape == (3 * (64 - SINK_TOKENS), 3, 64)
+            assert torch.equal(a[kv], acts[layer][kv]) and torch.equal(g[kv], grads[layer][kv])
 
 
 def test_cli_rejects_bad_format(capsys):

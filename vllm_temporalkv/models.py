@@ -121,11 +121,13 @@ def resolve_model(spec: str | os.PathLike | None = None) -> Path:
         ) from None
 
 
-def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                  attn_implementation: str = "eager"):
     from transformers import AutoModelForCausalLM
 
-    # eager attention: the harness hooks projections, and eager is what the thesis measured
-    m = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager")
+    # eager attention by default: the harnesses read attention weights, and eager is what the thesis measured;
+    # calibration (hooks on the projections only) uses "sdpa", which never holds a layer's T x T scores
+    m = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=attn_implementation)
     return m.to(device).eval()
 
 

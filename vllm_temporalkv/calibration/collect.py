@@ -77,3 +77,48 @@ def load_collected(path) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, 
     L = len({k.split(".")[1] for k in flat})
     return ([{kv: flat[f"a.{i}.{kv}"] for kv in "kv"} for i in range(L)],
             [{kv: flat[f"g.{i}.{kv}"] for kv in "kv"} for i in range(L)])
+
+
+class CollectedStore:
+    """Collected K / V and gradients streamed to disk a few windows at a time, read back one layer at a time.
+
+    Holding every layer of 64 x 2048 windows in memory takes ~12 GB of float32 for SmolLM2 alone (and twice that
+    while it is written); here the collection holds ``chunk`` windows and the fit one layer's tensors (~0.4 GB at
+    64 windows).  Each chunk is its own safetensors file (``collected.<first window>.safetensors``), so a stopped
+    collection resumes at the first missing chunk."""
+
+    def __init__(self, folder, num_windows: int, chunk: int = 4):
+        from pathlib import Path
+
+        self.folder, self.num_windows, self.chunk = Path(folder), num_windows, chunk
+        self.starts = list(range(0, num_windows, chunk))
+
+    def path(self, start: int):
+        return self.folder / f"collected.{start:05d}.safetensors"
+
+    def missing(self) -> list[int]:
+        return [s for s in self.starts if not self.path(s).is_file()]
+
+    def collect(self, model: torch.nn.Module, windows: torch.Tensor, *, device: str = "cpu",
+                progress: bool = True) -> None:
+        todo = self.missing()
+        for start in tqdm(todo, desc=f"collect K/V + Fisher ({self.chunk} windows a file)", unit="file",
+                          disable=not progress or not todo):
+            acts, grads = collect_kv_grads(model, windows[start : start + self.chunk], device=device, progress=False)
+            save_collected(self.path(start), acts, grads)
+            del acts, grads
+
+    def layer(self, i: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(acts, grads) of layer ``i`` over every window, in window order: {"k": [S*(T-8), H, D], "v": ...}."""
+        from safetensors import safe_open
+
+        if self.missing():
+            raise FileNotFoundError(f"collection incomplete in {self.folder}: windows from {self.missing()[0]} missing")
+        parts = {f"{t}.{kv}": [] for t in "ag" for kv in "kv"}
+        for start in self.starts:
+            with safe_open(str(self.path(start)), "pt") as f:
+                for t in "ag":
+                    for kv in "kv":
+                        parts[f"{t}.{kv}"].append(f.get_tensor(f"{t}.{i}.{kv}"))
+        cat = {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in parts.items()}
+        return {kv: cat[f"a.{kv}"] for kv in "kv"}, {kv: cat[f"g.{kv}"] for kv in "kv"}

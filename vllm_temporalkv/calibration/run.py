@@ -24,11 +24,13 @@ from ..artifact import Artifact, default_artifact_path, model_fingerprint
 from ..codecs.quantizer import ChannelStats
 from ..formats import FormatError, calibrated_formats, check_head_dim, get_format
 
-from .collect import collect_kv_grads, load_collected, save_collected
+from .collect import CollectedStore
 from .fit import fit_layer
 
 THESIS_SAMPLES = 64  # 64 x 2048 tokens (thesis sec. 5.2)
 CPU_SAMPLES = 8  # what fits the one-hour budget on two CPU cores (k-means dominates)
+COLLECT_CHUNK = 4  # windows per collected file: what the collection holds in memory at once
+COLLECT_LAYOUT = "chunked-sdpa"  # in the run key: a work folder from the one-file, eager collection starts over
 
 
 def codebook_keys(formats: list[str]) -> list[str]:
@@ -99,7 +101,7 @@ def run_calibration(
     output = Path(output) if output else default_artifact_path(model_dir)
     log(f"model {model_dir}\ndata {data}: {num_samples} x {seq_len} tokens\ndevice {device}")
     tok = load_tokenizer(model_dir)
-    hf = load_hf_model(model_dir, dtype=torch.float32, device=device)
+    hf = load_hf_model(model_dir, dtype=torch.float32, device=device, attn_implementation="sdpa")
     fp = model_fingerprint(hf.config)
     for f in formats:
         check_head_dim(get_format(f), fp["head_dim"])
@@ -107,7 +109,7 @@ def run_calibration(
 
     settings = dict(
         fingerprint=fp, data=data, num_samples=num_samples, seq_len=seq_len, iters=iters,
-        seed=seed, fisher=fisher, keys=keys,
+        seed=seed, fisher=fisher, keys=keys, collected=COLLECT_LAYOUT,
     )
     work = output.with_name(output.name + ".work")
     run_key = _run_key(settings)
@@ -118,17 +120,17 @@ def run_calibration(
     work.mkdir(parents=True, exist_ok=True)
     (work / "run.json").write_text(json.dumps({"key": run_key, "settings": settings}))
 
-    # ---- 1. activations and Fisher weights (checkpointed)
-    coll = work / "collected.safetensors"
+    # ---- 1. activations and Fisher weights, streamed to disk a few windows at a time (resumable)
+    store = CollectedStore(work, num_samples, chunk=COLLECT_CHUNK)
     t_collect = time.time()
-    if coll.is_file():
-        log(f"resuming: reusing collected activations in {coll}")
-        acts, grads = load_collected(coll)
-    else:
+    if store.missing():
+        if len(store.missing()) < len(store.starts):
+            log(f"resuming: {len(store.starts) - len(store.missing())} of {len(store.starts)} collected files in {work}")
         docs = load_corpus(data)
         windows = token_windows(tok, docs, seq_len, num_samples)
-        acts, grads = collect_kv_grads(hf, windows, device=device, progress=progress)
-        save_collected(coll, acts, grads)
+        store.collect(hf, windows, device=device, progress=progress)
+    else:
+        log(f"resuming: reusing collected activations in {work}")
     del hf
     t_collect = time.time() - t_collect
 
@@ -142,8 +144,10 @@ def run_calibration(
             t = load_file(str(ckpt))
             bar.update(2 * len(keys))
         else:
-            dev_acts = {kv: acts[layer][kv].to(device) for kv in "kv"}
-            dev_grads = {kv: grads[layer][kv].to(device) for kv in "kv"}
+            acts, grads = store.layer(layer)
+            dev_acts = {kv: acts[kv].to(device) for kv in "kv"}
+            dev_grads = {kv: grads[kv].to(device) for kv in "kv"}
+            del acts, grads
             st, bk, ms = fit_layer(layer, dev_acts, dev_grads, keys, iters=iters, seed=seed,
                                    fisher=fisher, on_fit=lambda: bar.update(1))
             t = {}
@@ -162,7 +166,6 @@ def run_calibration(
                 books[(layer, kv, key)] = t[f"codebook.{kv}.{key}"]
                 m = t[f"mse.{kv}.{key}"].tolist()
                 mse[(layer, kv, key)] = (m[0], m[1] if len(m) > 1 else float("nan"))  # a checkpoint without the cost
-        acts[layer] = grads[layer] = None  # free as we go
     bar.close()
     t_fit = time.time() - t_fit
 
