@@ -36,9 +36,12 @@ def collect_kv_grads(
         def hook(layer: int, kind: str, out: torch.Tensor):
             acts[layer][kind][rows] = out[0, SINK_TOKENS:].detach().float().cpu()
             if out.requires_grad:
+                shape = out.shape
 
-                def save_grad(g, layer=layer, kind=kind):
-                    grads[layer][kind][rows] = g.reshape(out.shape)[0, SINK_TOKENS:].float().cpu()
+                # the hook must not refer to ``out``: out -> its hooks -> save_grad -> out is a reference cycle
+                # that keeps every window's K / V (and, through the closure, its buffers) until a gc pass
+                def save_grad(g, layer=layer, kind=kind, shape=shape):
+                    grads[layer][kind][rows] = g.reshape(shape)[0, SINK_TOKENS:].float().cpu()
 
                 out.register_hook(save_grad)
             return out  # the hooked view must be what flows on, or its grad hook never fires
