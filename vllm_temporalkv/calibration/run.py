@@ -30,7 +30,7 @@ from .fit import fit_layer
 THESIS_SAMPLES = 64  # 64 x 2048 tokens (thesis sec. 5.2)
 CPU_SAMPLES = 8  # what fits the one-hour budget on two CPU cores (k-means dominates)
 COLLECT_CHUNK = 4  # windows per collected file: what the collection holds in memory at once
-COLLECT_LAYOUT = "chunked-sdpa"  # in the run key: a work folder from the one-file, eager collection starts over
+COLLECT_LAYOUT = "chunked"  # in the run key: a work folder from the one-file collection starts over
 
 
 def codebook_keys(formats: list[str]) -> list[str]:
@@ -101,7 +101,7 @@ def run_calibration(
     output = Path(output) if output else default_artifact_path(model_dir)
     log(f"model {model_dir}\ndata {data}: {num_samples} x {seq_len} tokens\ndevice {device}")
     tok = load_tokenizer(model_dir)
-    hf = load_hf_model(model_dir, dtype=torch.float32, device=device, attn_implementation="sdpa")
+    hf = load_hf_model(model_dir, dtype=torch.float32, device=device)
     fp = model_fingerprint(hf.config)
     for f in formats:
         check_head_dim(get_format(f), fp["head_dim"])
