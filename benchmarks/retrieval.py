@@ -654,12 +654,13 @@ def main(argv=None):
             try:
                 r = serve_and_score(model, fmt, todo, args, on_record=checkpoint)
                 recs = sorted(kept + r.pop("records"), key=record_key)
-                r["startup_s"] = r["startup_s"] if not old else old.get("startup_s", r["startup_s"])
+                if old:  # the start-up of the first run
+                    r["startup_s"] = old.get("startup_s", r["startup_s"])
                 if old.get("suite_s") is not None and old.get("records"):  # time summed over the top-ups
                     r["suite_s"] = round(old["suite_s"] + r["suite_s"], 1)
                     r["suite_prompts"] = old.get("suite_prompts", len(old["records"])) + r["suite_prompts"]
                 results[fmt] = {"records": recs, **summarize(recs), "samples": samples_per_cell(recs),
-                                **{k: v for k, v in r.items()}, "artifact_sha256": digest,
+                                **r, "artifact_sha256": digest,
                                 "command": run_record()["command"]}
             except Exception as e:  # a refusing format is a result, not the end of the run
                 if not old:
