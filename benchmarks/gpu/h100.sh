@@ -2,6 +2,7 @@
 # The GPU box's part of issue 14, one device call per stage, issued back to back (the box keeps its
 # files only while it stays warm: 30 s after a call).  Run from the repo root ON the box:
 #   bash benchmarks/gpu/h100.sh kernels PARTDIR   Triton kernel tests compiled, benchmarks.kernels, + a bundle part
+#   bash benchmarks/gpu/h100.sh sweep            launch settings of the Triton decode, side by side
 #   bash benchmarks/gpu/h100.sh add PARTDIR       one more part of the vLLM 0.26 bundle (../shared/tools/gpu-vllm)
 #   bash benchmarks/gpu/h100.sh vllm PARTDIR SHA  the last part, install, benchmarks.throughput (dummy 8B shape)
 # carry: .whl (fast-pytorch-kmeans), .gpu-vllm/cN (a part each; the last also on-device.sh, vllm_cli.py and
@@ -30,6 +31,9 @@ kernels)
   cp benchmarks/results/kernels.json benchmarks/results/kernels.md benchmarks/results/kernels.png \
      benchmarks/results/headline.json $OUT/ 2>/dev/null
   wait ;;
+sweep)  # launch settings of the decode kernel (benchmarks/gpu/decode_sweep.py)
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+  timeout ${SWEEP_S:-280} python3 -m benchmarks.gpu.decode_sweep ${SWEEP_ARGS:-} --out $OUT/decode_sweep.json 2>&1 | tee $OUT/decode_sweep.log ;;
 add) add_part "$parts" ;;
 vllm)
   add_part "$parts" && bash "$parts"/on-device.sh install "${3:?sha256}" 2>&1 | tail -3 || exit 1

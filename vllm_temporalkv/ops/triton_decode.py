@@ -54,6 +54,12 @@ from .triton_encode import (
 LOG2E = 1.4426950408889634
 TILE_TOKENS = 32  # BT: tokens per tile, a multiple of BLOCK_TOKENS
 MIN_TILES_PER_SPLIT = 4
+# launch settings; benchmarks/gpu/decode_sweep.py measures the alternatives on a GPU
+DECODE_WARPS = 2  # H100, temporalkv-2bit B=8 L=32k: 1.19 ms vs 1.84 (4 warps), 1.95 (8)
+DECODE_STAGES = 3
+WAVES = 2  # programs per SM the split heuristic aims for
+CODES_CACHE = ""  # ".cg": code bytes skip L1 (read once), leaving it to the codebooks the gathers hit
+CB_EVICT = ""  # "evict_last": codebook lines outlive the streamed codes in L1
 
 
 @triton.jit
@@ -77,7 +83,8 @@ def _code_base(bt_row, tok, ok, h, rec_bytes, codes_off, block_size,
 @triton.jit
 def _lookup(pages_u8, cb_ptr, bt_row, t0, cend, h, rec_bytes, codes_off, block_size,
             C0: tl.constexpr, DC: tl.constexpr, BT: tl.constexpr, METHOD: tl.constexpr, L: tl.constexpr,
-            BITS: tl.constexpr, KC: tl.constexpr, H: tl.constexpr, D: tl.constexpr):
+            BITS: tl.constexpr, KC: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+            CM: tl.constexpr = "", EV: tl.constexpr = ""):
     """Normalized values [BT, DC] of tokens t0..t0+BT, channels C0..C0+DC, from the codes and the
     head's codebooks cb_ptr [G, KC, v].  A vector code is one load of its L centroid floats."""
     CODE_BYTES: tl.constexpr = BLOCK * D * BITS // (8 * L)
@@ -88,16 +95,20 @@ def _lookup(pages_u8, cb_ptr, bt_row, t0, cend, h, rec_bytes, codes_off, block_s
         c = C0 + tl.arange(0, DC)[None, :]
         base = _code_base(bt_row, tj, (tj >= SINKS) & (tj < cend), h, rec_bytes, codes_off, block_size,
                           H, CODE_BYTES)
-        code = tl.load(pages_u8 + base[:, None] + ((tj % BLOCK) // L)[:, None] * D + c, mask=ok, other=0)
-        val = tl.load(cb_ptr + (((c // L) * KC + code.to(tl.int32)) * L)[:, :, None] + i)  # [BT/L, DC, L]
+        code = tl.load(pages_u8 + base[:, None] + ((tj % BLOCK) // L)[:, None] * D + c, mask=ok, other=0,
+                       cache_modifier=CM)
+        val = tl.load(cb_ptr + (((c // L) * KC + code.to(tl.int32)) * L)[:, :, None] + i,
+                      eviction_policy=EV)  # [BT/L, DC, L]
         val = tl.reshape(tl.permute(val, (0, 2, 1)), (BT, DC))
     elif METHOD == CHANNEL:  # block bytes [8, D / L]: one code = L adjacent channels of a token
         tok = t0 + tl.arange(0, BT)
         ok = (tok >= SINKS) & (tok < cend)
         gc = C0 // L + tl.arange(0, DC // L)[None, :]
         base = _code_base(bt_row, tok, ok, h, rec_bytes, codes_off, block_size, H, CODE_BYTES)
-        code = tl.load(pages_u8 + base[:, None] + (tok % BLOCK)[:, None] * (D // L) + gc, mask=ok[:, None], other=0)
-        val = tl.load(cb_ptr + ((gc * KC + code.to(tl.int32)) * L)[:, :, None] + i)  # [BT, DC/L, L]
+        code = tl.load(pages_u8 + base[:, None] + (tok % BLOCK)[:, None] * (D // L) + gc, mask=ok[:, None], other=0,
+                       cache_modifier=CM)
+        val = tl.load(cb_ptr + ((gc * KC + code.to(tl.int32)) * L)[:, :, None] + i,
+                      eviction_policy=EV)  # [BT, DC/L, L]
         val = tl.reshape(val, (BT, DC))
     else:  # scalar: block bytes [8, D * BITS / 8], lowest channel in the lowest bits
         PER: tl.constexpr = 8 // BITS
@@ -106,8 +117,8 @@ def _lookup(pages_u8, cb_ptr, bt_row, t0, cend, h, rec_bytes, codes_off, block_s
         c = C0 + tl.arange(0, DC)[None, :]
         base = _code_base(bt_row, tok, ok, h, rec_bytes, codes_off, block_size, H, CODE_BYTES)
         byte = tl.load(pages_u8 + base[:, None] + (tok % BLOCK)[:, None] * (D * BITS // 8) + c // PER,
-                       mask=ok[:, None], other=0).to(tl.int32)
-        val = tl.load(cb_ptr + c * KC + ((byte >> ((c % PER) * BITS)) & (KC - 1)))
+                       mask=ok[:, None], other=0, cache_modifier=CM).to(tl.int32)
+        val = tl.load(cb_ptr + c * KC + ((byte >> ((c % PER) * BITS)) & (KC - 1)), eviction_policy=EV)
     return val.to(tl.float32)
 
 
@@ -149,7 +160,7 @@ def _decode_kernel(
     H: tl.constexpr, GQ: tl.constexpr, GQ_P: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
     KM: tl.constexpr, KL: tl.constexpr, KBITS: tl.constexpr, KKC: tl.constexpr,
     VM: tl.constexpr, VL: tl.constexpr, VBITS: tl.constexpr, VKC: tl.constexpr,
-    CAP: tl.constexpr, CAP_P2: tl.constexpr, F32: tl.constexpr,
+    CAP: tl.constexpr, CAP_P2: tl.constexpr, F32: tl.constexpr, CM: tl.constexpr, EV: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -219,9 +230,9 @@ def _decode_kernel(
         tok = t0 + dt
         ok = (tok >= SINKS) & (tok < cend)
         k_lo = _lookup(pages_u8, kcb, bt_row, t0, cend, h, rec_bytes, k_codes, block_size,
-                       0, HD, BT, KM, KL, KBITS, KKC, H, D) * kstd_lo + kmean_lo
+                       0, HD, BT, KM, KL, KBITS, KKC, H, D, CM, EV) * kstd_lo + kmean_lo
         k_hi = _lookup(pages_u8, kcb, bt_row, t0, cend, h, rec_bytes, k_codes, block_size,
-                       HD, HD, BT, KM, KL, KBITS, KKC, H, D) * kstd_hi + kmean_hi
+                       HD, HD, BT, KM, KL, KBITS, KKC, H, D, CM, EV) * kstd_hi + kmean_hi
         if CAP > 0:
             k_lo = _outliers(k_lo, pages_h, pages_i16, bt_row, t0, h, rec_bytes, k_idx, k_val, kmean_ptr,
                              kmean_ptr, cend, 0, HD, False, H, D, BT, CAP, CAP_P2, block_size, F32, DT)
@@ -239,7 +250,7 @@ def _decode_kernel(
         pexp = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pexp, 1)
         vz = _lookup(pages_u8, vcb, bt_row, t0, cend, h, rec_bytes, v_codes, block_size,
-                     0, D, BT, VM, VL, VBITS, VKC, H, D)
+                     0, D, BT, VM, VL, VBITS, VKC, H, D, CM, EV)
         if CAP > 0:
             vz = _outliers(vz, pages_h, pages_i16, bt_row, t0, h, rec_bytes, v_idx, v_val, vmean_ptr,
                            vinv_ptr, cend, 0, D, True, H, D, BT, CAP, CAP_P2, block_size, F32, DT)
@@ -274,7 +285,7 @@ def _reduce_kernel(acc_ptr, ml_ptr, out_ptr, vmean_ptr, vstd_ptr, S,
 def num_splits(batch_heads: int, max_tiles: int, device: torch.device) -> int:
     """Splits per (request, KV head): ~2 waves of programs, at least MIN_TILES_PER_SPLIT tiles each."""
     if device.type == "cuda":
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        target = WAVES * torch.cuda.get_device_properties(device).multi_processor_count
     else:
         target = 4  # interpreter: exercise several splits on small shapes
     return max(1, min(triton.cdiv(target, batch_heads), triton.cdiv(max_tiles, MIN_TILES_PER_SPLIT)))
@@ -318,6 +329,7 @@ def paged_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Ten
         KM=kp.method, KL=kp.chunk, KBITS=kp.code_bits, KKC=kp.n_centroids,
         VM=vp.method, VL=vp.chunk, VBITS=vp.code_bits, VKC=vp.n_centroids,
         CAP=lay.cap, CAP_P2=triton.next_power_of_2(max(lay.cap, 1)), F32=INTERPRET,
+        CM=CODES_CACHE, EV=CB_EVICT, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
     )
     _reduce_kernel[(R, HQ)](acc, ml, out, vp.mean, vp.std, S, HQ=HQ, GQ=GQ, D=D,
                             S_P=triton.next_power_of_2(S))
