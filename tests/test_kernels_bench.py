@@ -58,3 +58,16 @@ def test_kernels_needs_gpu_without_smoke():
     r = subprocess.run([sys.executable, "-m", "benchmarks.kernels"], cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "needs a CUDA GPU" in r.stderr and "--smoke" in r.stderr
+
+
+def test_decode_sweep_smoke(tmp_path):
+    """benchmarks/gpu/decode_sweep.py (launch settings side by side on the GPU box): the plumbing, in the
+    interpreter - each setting is checked against the torch reference before it is timed."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    out = tmp_path / "sweep.json"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu.decode_sweep", "--smoke", "--out", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [x["setting"] for x in rows] == ["default", "w8+cg"]
+    assert all(x["check_ok"] and x["time_ms"] for x in rows), rows

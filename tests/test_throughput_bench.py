@@ -39,3 +39,25 @@ def test_runner_end_to_end(tmp_path, tiny_artifact):
     assert off["temporalkv-2bit"]["kv_tokens"] > 5 * off["auto"]["kv_tokens"]
     assert (out / "throughput.md").is_file() and (out / "throughput.png").is_file()
     assert (HEADLINE.read_bytes() if HEADLINE.is_file() else None) == before
+
+
+def test_synthetic_artifact_fits_a_dummy_weight_model(tmp_path):
+    """--synthetic-artifact: random codebooks shaped for a model folder's config (the GPU box's dummy
+    Llama-3.1-8B shape), which the plugin's loader accepts for that model and refuses for another."""
+    from benchmarks.throughput import synthetic_artifact
+    from vllm_temporalkv.artifact import Artifact, ArtifactError, model_fingerprint
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 3, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "hidden_size": 512, "head_dim": 64, "vocab_size": 1000,
+           "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    path = synthetic_artifact(str(tmp_path), ["auto", "temporalkv-2bit", "kvquant-2bit"], tmp_path / "s.safetensors")
+    art = Artifact.load(path, expect=model_fingerprint(cfg), formats=["temporalkv-2bit", "kvquant-2bit"])
+    assert set(art.formats) == {"temporalkv-2bit", "kvquant-2bit"}
+    assert [q[0].codec.method for q in art.quantizers("temporalkv-2bit")] == ["channel", "temporal", "temporal"]
+    assert [q[1].codec.method for q in art.quantizers("temporalkv-2bit")] == ["temporal"] * 3
+    other = dict(cfg, num_hidden_layers=4)
+    with pytest.raises(ArtifactError, match="num_layers"):
+        Artifact.load(path, expect=model_fingerprint(other), formats=["temporalkv-2bit"])

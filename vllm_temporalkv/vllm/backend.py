@@ -111,25 +111,35 @@ class TemporalKVBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec):
-        # vLLM's spec carries no name for a plugin dtype (it is uint8 to vLLM): the format comes
-        # from the options the layers' Impls recorded for this process (one per process)
-        if not _SERVING:
-            raise TemporalKVConfigError("the vllm-temporalkv backend was asked for a KV spec before any layer was built")
-        if len(_SERVING) > 1:
-            raise TemporalKVConfigError(f"one process serves one vllm-temporalkv format, got {sorted(_SERVING)}")
-        fmt_name, outliers, window = next(iter(_SERVING))
-        fmt = get_format(fmt_name)
-        layer = compat.spec_layer(spec)  # formats whose pages differ per layer (QJL, mixes): compat.tag_layer_specs
-        if fmt.per_layer_pages and layer is None:
-            raise TemporalKVConfigError(f"--kv-cache-dtype {fmt_name} sizes its pages per layer, and this vLLM "
-                                        f"({'.'.join(map(str, compat.VLLM_VERSION))}) did not say which layer a "
-                                        "KV spec is for; use vLLM >= 0.27 or another format")
-        if fmt.mix:  # this layer's part, from the artifact the layers loaded
-            fmt = get_format(_ARTIFACTS[fmt_name].layer_formats(fmt_name)[layer])
-        layout = PageLayout(fmt, spec.head_size, spec.block_size, outliers, window,
-                            num_kv_heads=spec.num_kv_heads, layer=layer)
+        layout = _serving_layout(spec.head_size, spec.block_size, spec.num_kv_heads, compat.spec_layer(spec))
         return compat.customize_spec(spec, block_size=spec.block_size, record_bytes=layout.bytes,
                                      num_heads=spec.num_kv_heads)
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        """vLLM 0.26 views a layer's pages through this (compat.RecordPageSpec sized them):
+        [pages, KV heads, record bytes], uint8."""
+        layout = _serving_layout(head_size, block_size, num_kv_heads, None)
+        return (num_blocks, num_kv_heads, layout.bytes)
+
+
+def _serving_layout(head_size: int, block_size: int, num_kv_heads: int, layer: int | None) -> PageLayout:
+    """The page layout of this process's format (vLLM's spec carries no name for a plugin dtype: it is uint8
+    to vLLM), from the options the layers' Impls recorded (one format per process)."""
+    if not _SERVING:
+        raise TemporalKVConfigError("the vllm-temporalkv backend was asked for a KV spec before any layer was built")
+    if len(_SERVING) > 1:
+        raise TemporalKVConfigError(f"one process serves one vllm-temporalkv format, got {sorted(_SERVING)}")
+    fmt_name, outliers, window = next(iter(_SERVING))
+    fmt = get_format(fmt_name)
+    if fmt.per_layer_pages and layer is None:  # formats whose pages differ per layer (QJL, mixes): compat.tag_layer_specs
+        raise TemporalKVConfigError(f"--kv-cache-dtype {fmt_name} sizes its pages per layer, and this vLLM "
+                                    f"({'.'.join(map(str, compat.VLLM_VERSION))}) did not say which layer a "
+                                    "KV spec is for; use vLLM >= 0.27 or another format")
+    if fmt.mix:  # this layer's part, from the artifact the layers loaded
+        fmt = get_format(_ARTIFACTS[fmt_name].layer_formats(fmt_name)[layer])
+    return PageLayout(fmt, head_size, block_size, outliers, window, num_kv_heads=num_kv_heads, layer=layer)
 
 
 @dataclasses.dataclass

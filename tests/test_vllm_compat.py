@@ -1,0 +1,83 @@
+"""vLLM-version differences (vllm/compat.py) that CI's vLLM 0.32 does not take by itself.
+
+vLLM 0.26 (the GPU box's release) has no ``customize_spec`` hook: a page's size comes from the spec's
+``real_page_size_bytes`` and the backend's ``get_kv_cache_shape`` views the allocation.  Here the 0.26
+branch runs against 0.32's spec classes: the spec our layers hand vLLM, the view of its pages, and that
+the two agree byte for byte.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+
+from vllm_temporalkv.formats import get_format  # noqa: E402
+from vllm_temporalkv.layout import PageLayout  # noqa: E402
+from vllm_temporalkv.vllm import backend, compat  # noqa: E402
+from vllm_temporalkv.vllm.plugin import TemporalKVConfigError  # noqa: E402
+
+
+def full_spec(block_size=1024, heads=3, head_size=64):
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=torch.uint8)
+
+
+@pytest.fixture
+def serving(monkeypatch):
+    """What the layers' Impls record when they are built: the format, outliers, recent window."""
+    s = set()
+    monkeypatch.setattr(backend, "_SERVING", s)
+    return s
+
+
+@pytest.mark.parametrize("fmt,outliers", [("temporalkv-2bit", False), ("temporalkv-1bit", True),
+                                          ("kvquant-2bit", False)])
+def test_vllm026_pages_are_sized_and_viewed_as_one_record_per_head(serving, fmt, outliers):
+    serving.add((fmt, outliers, 0))
+    spec = full_spec()
+    lay = PageLayout(get_format(fmt), spec.head_size, spec.block_size, outliers, 0, num_kv_heads=spec.num_kv_heads)
+    out = compat.customize_spec(spec, block_size=spec.block_size, record_bytes=lay.bytes,
+                                num_heads=spec.num_kv_heads, record_pages=True)
+    assert isinstance(out, compat.RecordPageSpec) and isinstance(out, FullAttentionSpec)
+    assert out.real_page_size_bytes == spec.num_kv_heads * lay.bytes
+    # far smaller than the half-precision page vLLM would size for these heads
+    assert out.real_page_size_bytes * 3 < 2 * spec.block_size * spec.num_kv_heads * spec.head_size * 2
+    # the same fields otherwise (vLLM's merge and grouping compare them)
+    for f in dataclasses.fields(spec):
+        assert getattr(out, f.name) == getattr(spec, f.name), f.name
+    # the view of n pages covers exactly the bytes vLLM allocates for them, in the layout the kernels read
+    n = 5
+    shape = backend.TemporalKVBackend.get_kv_cache_shape(n, spec.block_size, spec.num_kv_heads, spec.head_size, fmt)
+    assert shape == (n, spec.num_kv_heads, lay.bytes)
+    raw = torch.zeros(n * out.real_page_size_bytes, dtype=torch.uint8)
+    assert compat.pages_view(raw.view(shape)).shape == (n, spec.num_kv_heads, lay.bytes)
+
+
+def test_vllm026_record_specs_merge_only_when_equal(serving):
+    a = compat.customize_spec(full_spec(), block_size=1024, record_bytes=1000, num_heads=3, record_pages=True)
+    b = compat.customize_spec(full_spec(), block_size=1024, record_bytes=1000, num_heads=3, record_pages=True)
+    merged = compat.RecordPageSpec.merge([a, b])
+    assert merged.record_bytes == 1000 and merged.real_page_size_bytes == 3000
+    c = dataclasses.replace(b, record_bytes=2000)
+    with pytest.raises(ValueError, match="different page records"):
+        compat.RecordPageSpec.merge([a, c])
+
+
+def test_vllm026_refuses_what_it_cannot_size(serving):
+    with pytest.raises(TemporalKVConfigError, match="before any layer was built"):
+        backend.TemporalKVBackend.get_kv_cache_shape(4, 1024, 3, 64, "temporalkv-2bit")
+    serving.add(("temporalkv-2bit-mixed", False, 0))
+    with pytest.raises(TemporalKVConfigError, match="sizes its pages per layer.*vLLM >= 0.27"):
+        backend.TemporalKVBackend.get_kv_cache_shape(4, 1024, 3, 64, "temporalkv-2bit-mixed")
+
+
+def test_current_vllm_keeps_its_own_hook():
+    """On 0.27+ the spec keeps vLLM's class (customize_spec sizes it) and no layer hook is installed."""
+    if not compat.HAS_CUSTOMIZE_SPEC:
+        pytest.skip("vLLM < 0.27")
+    out = compat.customize_spec(full_spec(), block_size=1024, record_bytes=1000, num_heads=3)
+    assert not isinstance(out, compat.RecordPageSpec)
+    assert not getattr(compat._attention_class().get_kv_cache_spec, "_temporalkv_pages", False)
