@@ -199,9 +199,17 @@ def test_triton_path_forward_serves_mixed_batches(monkeypatch):
         sl = torch.tensor([b for _, b in calls.values()])
         bt = tables[list(calls)]
         want = reference.forward(lc, ref, q, key, val, qsl, sl, bt, pos, pid, 0.125, batch_invariant=False)
+        # the backend's way: one plan per step (which requests decode, their device tensors), shared by the layers
+        plan = triton_path.plan_step(qsl, sl, pages.device)
+        assert plan.uniform_decode == all(b - a == 1 for a, b in calls.values())
+        assert plan.prefills == [i for i, (a, b) in enumerate(calls.values()) if b - a > 1]
+        second_layer = pages.clone()
         got = triton_path.forward(lc, pages, q, key, val, qsl, sl, bt, pos, pid, 0.125, batch_invariant=False)
         assert (got.float() - want.float()).abs().max() <= _tol(lc.dtype) * max(1.0, want.float().abs().max().item())
         assert torch.equal(pages, ref), calls
+        got2 = triton_path.forward(lc, second_layer, q, key, val, qsl, sl, bt, pos, pid, 0.125, batch_invariant=False,
+                                   plan=plan)
+        assert torch.equal(got2, got) and torch.equal(second_layer, pages)
     monkeypatch.setenv("VLLM_TEMPORALKV_OPS", "triton")
     mod, name = select(lc, torch.device(DEVICE))
     assert mod is triton_path and name.startswith("Triton ("), name

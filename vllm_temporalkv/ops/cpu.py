@@ -332,8 +332,9 @@ def paged_attention(
 def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
             positions: torch.Tensor, page_ids: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-            batch_invariant: bool = True) -> torch.Tensor:
-    """Twin of ``paged_torch.forward`` (a layer's step: attention, then the cache update).
+            batch_invariant: bool = True, plan=None) -> torch.Tensor:
+    """Twin of ``paged_torch.forward`` (a layer's step: attention, then the cache update; ``plan``: the
+    Triton path's, unused here).
 
     Decode requests: the fused decode kernel on the pages as they were, then their tokens are written.
     Prefill chunks (without ``batch_invariant``) write first and read back: the blocks a chunk

@@ -505,9 +505,10 @@ def paged_attention(
 
 @torch.no_grad()
 def forward(lc: LayerCache, pages, query, key, value, query_start_loc, seq_lens, block_tables, positions, page_ids,
-            scale: float, out: torch.Tensor | None = None, batch_invariant: bool = True) -> torch.Tensor:
+            scale: float, out: torch.Tensor | None = None, batch_invariant: bool = True, plan=None) -> torch.Tensor:
     """One layer's step as the backend runs it: attention (``paged_attention``), then the cache update
-    (``write_kv``, or ``write_kv_window`` with a recent window) - in that order, as the cache contract requires."""
+    (``write_kv``, or ``write_kv_window`` with a recent window) - in that order, as the cache contract requires.
+    ``plan``: the Triton path's per-step plan (triton_path.StepPlan), not needed here."""
     out = paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out,
                           batch_invariant)
     if lc.layout.window:

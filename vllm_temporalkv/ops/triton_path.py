@@ -16,6 +16,8 @@ bfloat16, the batch-invariant float64 attention) stays on the torch path: ``supp
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import paged_torch
@@ -37,33 +39,61 @@ def supports(lc, pages: torch.Tensor | None = None) -> bool:
             and lc.k.outliers == lc.layout.outliers == lc.v.outliers and device_ok)
 
 
+@dataclasses.dataclass
+class StepPlan:
+    """Which requests of a step decode, and the device tensors the decode launch reads: built once per step
+    (the metadata builder's host tensors, copied to the device once) and shared by every layer, so a layer's
+    forward makes no host-to-device copy and no device sync."""
+
+    uniform_decode: bool  # every request has one query token: one launch, the rows are the requests
+    query_start_loc: torch.Tensor  # [R + 1] int32 on the device (uniform) or 0..D (the decodes)
+    seq_lens: torch.Tensor  # [R] or [D] int32 on the device
+    decode_rows: torch.Tensor | None  # mixed steps: the decodes' token rows (= their request's first row)
+    decode_reqs: torch.Tensor | None  # and their request indices, on the block table's device
+    prefills: list[int]  # requests with more than one query token (host)
+
+
+def plan_step(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, device, table_device=None,
+              device_seq_lens: torch.Tensor | None = None) -> StepPlan:
+    """From the host ``query_start_loc`` / ``seq_lens``; ``device_seq_lens``: vLLM's own device copy of
+    ``seq_lens`` (a uniform decode reads it as is: no copy at all)."""
+    qsl = query_start_loc.cpu()
+    qlen = qsl[1:] - qsl[:-1]
+    one = qlen == 1
+    if bool(one.all()):
+        dev_sl = device_seq_lens if device_seq_lens is not None and device_seq_lens.device == torch.device(device) \
+            else seq_lens.to(device, torch.int32)
+        return StepPlan(True, qsl.to(device, torch.int32), dev_sl, None, None, [])
+    dec = one.nonzero().flatten()
+    return StepPlan(False, torch.arange(dec.numel() + 1, dtype=torch.int32).to(device),
+                    seq_lens.cpu()[dec].to(device, torch.int32), qsl[:-1][dec].to(device),
+                    dec.to(table_device or device), (~one).nonzero().flatten().tolist())
+
+
 @torch.no_grad()
 def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
             positions: torch.Tensor, page_ids: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-            batch_invariant: bool = True) -> torch.Tensor:
+            batch_invariant: bool = True, plan: StepPlan | None = None) -> torch.Tensor:
     """Twin of ``paged_torch.forward``.  ``query_start_loc`` and ``seq_lens`` are the metadata builder's host
-    tensors: which requests decode is decided on the host, without a device sync."""
+    tensors; ``plan`` (``plan_step`` of them, built once per step by the backend) says which requests decode
+    and holds their device copies (made here when absent)."""
     if batch_invariant or not supports(lc, pages):
         return paged_torch.forward(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables,
                                    positions, page_ids, scale, out, batch_invariant)
     if out is None:
         out = torch.empty_like(query)
-    dev = pages.device
-    qsl = query_start_loc.cpu()
-    qlen = qsl[1:] - qsl[:-1]
-    one = qlen == 1
-    if bool(one.all()):  # a uniform decode batch: one launch, the rows are the requests
-        decode_attention(lc, pages, query, key, value, qsl.to(dev), seq_lens.to(dev), block_tables, scale, out)
+    if plan is None:
+        plan = plan_step(query_start_loc, seq_lens, pages.device, block_tables.device)
+    if plan.uniform_decode:
+        decode_attention(lc, pages, query, key, value, plan.query_start_loc, plan.seq_lens, block_tables, scale, out)
     else:
-        dec = one.nonzero().flatten()
-        if dec.numel():
-            rows = qsl[:-1][dec].to(dev)
-            out[rows] = decode_attention(lc, pages, query[rows], key[rows], value[rows],
-                                         torch.arange(dec.numel() + 1, device=dev), seq_lens[dec].to(dev),
-                                         block_tables[dec.to(block_tables.device)], scale).to(out.dtype)
-        rest = (~one).nonzero().flatten().tolist()  # prefill chunks (paged_attention skips empty ones)
-        paged_torch.paged_attention(lc, pages, query, key, value, qsl, seq_lens, block_tables, scale, out,
-                                    batch_invariant=False, requests=rest)
+        if plan.decode_rows is not None and plan.decode_rows.numel():
+            rows = plan.decode_rows
+            out[rows] = decode_attention(lc, pages, query[rows], key[rows], value[rows], plan.query_start_loc,
+                                         plan.seq_lens, block_tables[plan.decode_reqs], scale).to(out.dtype)
+        # prefill chunks (paged_attention skips empty ones)
+        paged_torch.paged_attention(lc, pages, query, key, value, query_start_loc.cpu(), seq_lens, block_tables,
+                                    scale, out, batch_invariant=False, requests=plan.prefills)
     write_kv(lc, pages, key, value, positions, page_ids)
     return out

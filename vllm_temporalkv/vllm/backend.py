@@ -150,6 +150,19 @@ class TemporalKVMetadata:
     block_table: torch.Tensor  # [R, max pages]
     positions: torch.Tensor  # [num_actual_tokens]
     page_ids: torch.Tensor  # [num_actual_tokens]
+    device_seq_lens: torch.Tensor | None = None  # vLLM's device copy of seq_lens (the requests' rows)
+    _plans: dict = dataclasses.field(default_factory=dict)  # device -> triton_path.StepPlan, once per step
+
+    def plan(self, device):
+        """The Triton path's step plan (which requests decode, their device tensors): built by the first layer
+        that asks, shared by the others (the metadata object is the step's, for every layer)."""
+        key = str(device)
+        if key not in self._plans:
+            from ..ops import triton_path
+
+            self._plans[key] = triton_path.plan_step(self.query_start_loc, self.seq_lens, device,
+                                                     self.block_table.device, self.device_seq_lens)
+        return self._plans[key]
 
 
 class TemporalKVMetadataBuilder(AttentionMetadataBuilder[TemporalKVMetadata]):
@@ -171,7 +184,8 @@ class TemporalKVMetadataBuilder(AttentionMetadataBuilder[TemporalKVMetadata]):
         positions = (seq - qlen)[req] + (torch.arange(n) - qsl[:-1][req])
         bt = cam.block_table_tensor
         page_ids = bt[req.to(bt.device), (positions // self.block_size).to(bt.device)]
-        return TemporalKVMetadata(n, qsl, seq, bt, positions.to(bt.device), page_ids)
+        return TemporalKVMetadata(n, qsl, seq, bt, positions.to(bt.device), page_ids,
+                                  device_seq_lens=cam.seq_lens[: len(qlen)])
 
 
 _SERVING: set[tuple[str, bool, int]] = set()  # (format, outliers, window) this process serves; for customize_spec
@@ -251,6 +265,7 @@ class TemporalKVImpl(AttentionImpl):
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
+        plan = m.plan(pages.device) if hasattr(self._ops, "plan_step") else None  # the Triton path's
         self._ops.forward(lc, pages, q, k, v, m.query_start_loc, m.seq_lens, m.block_table, m.positions,
-                          m.page_ids, self.scale, out=out, batch_invariant=self._batch_invariant)
+                          m.page_ids, self.scale, out=out, batch_invariant=self._batch_invariant, plan=plan)
         return output

@@ -132,8 +132,10 @@ class RecordPageSpec(LayerAttentionSpec):
 
     @classmethod
     def merge(cls, specs):
-        if any(s.record_bytes != specs[0].record_bytes for s in specs):
-            raise ValueError("vllm-temporalkv: layers of one KV cache group with different page records")
+        # vLLM's protocol: AssertionError means "not one uniform spec" (0.26's is_kv_cache_spec_uniform then tries
+        # per-layer specs); a plain FullAttentionSpec layer (--kv-cache-dtype-skip-layers) has no record_bytes
+        if any(getattr(s, "record_bytes", None) != specs[0].record_bytes for s in specs):
+            raise AssertionError("vllm-temporalkv: layers of one KV cache group with different page records")
         return dataclasses.replace(super().merge(specs), record_bytes=specs[0].record_bytes)
 
 

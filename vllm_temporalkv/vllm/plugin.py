@@ -172,6 +172,9 @@ def _check_model(vllm_config) -> None:
         problems.append(f"sliding-window attention (window {window}) is not supported")
     if vllm_config.speculative_config is not None:
         problems.append("speculative decoding is not supported yet: drop --speculative-config")
+    if fmt.per_layer_pages and not compat.HAS_CUSTOMIZE_SPEC:  # refused here, before the weights load
+        problems.append(f"its pages differ per layer, which vLLM {'.'.join(map(str, compat.VLLM_VERSION))} "
+                        "cannot size; use vLLM >= 0.27 or another format")
     sel = compat.selector_config(head_size=mc.get_head_size(), dtype=mc.dtype, kv_cache_dtype=fmt.name,
                                  block_size=vllm_config.cache_config.block_size,
                                  use_mla=bool(getattr(mc, "use_mla", False)), has_sliding_window=bool(window))
