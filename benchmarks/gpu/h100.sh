@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu/h100.sh kernels PARTDIR   Triton kernel tests compiled, benchmarks.kernels, + a bundle part
 #   bash benchmarks/gpu/h100.sh sweep            launch settings of the Triton decode, side by side
 #   bash benchmarks/gpu/h100.sh add PARTDIR       one more part of the vLLM 0.26 bundle (../shared/tools/gpu-vllm)
-#   bash benchmarks/gpu/h100.sh vllm PARTDIR SHA  the last part, install, benchmarks.throughput (dummy 8B shape)
+#   bash benchmarks/gpu/h100.sh vllm PARTDIR SHA  the last part, install, benchmarks.throughput (dummy 8B shape;
+#                                                TP_FORMATS, TP_SHAPES override the formats and IN-OUT:PROMPTS)
 # carry: .whl (fast-pytorch-kmeans), .gpu-vllm/cN (a part each; the last also on-device.sh, vllm_cli.py and
 # SmolLM2's tokenizer in l8b/ beside the Llama-3.1-8B-shaped config.json).  Results land in $OUT.
 set -uo pipefail
@@ -40,9 +41,9 @@ vllm)
   export PYTHONPATH=/root/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
   mkdir -p $OUT/tp; cp "$parts"/l8b/* /tmp/l8b/ 2>/dev/null || { mkdir -p /tmp/l8b && cp "$parts"/l8b/* /tmp/l8b/; }
   timeout 420 python3 -m benchmarks.throughput --model /tmp/l8b --name h100-l8b --load-format dummy \
-    --vllm "python3 $parts/vllm_cli.py" --shapes 1024-256:200 --no-serve --gpu-memory-utilization 0.85 \
-    --synthetic-artifact --timeout 200 --formats temporalkv-2bit auto 2>&1 | tee $OUT/tp/throughput.log
+    --vllm "python3 $parts/vllm_cli.py" --shapes ${TP_SHAPES:-1024-256:200} --no-serve --gpu-memory-utilization 0.85 \
+    --synthetic-artifact --timeout 200 --formats ${TP_FORMATS:-temporalkv-2bit auto} 2>&1 | tee $OUT/tp/throughput.log
   cp benchmarks/results/throughput.json benchmarks/results/throughput.md benchmarks/results/headline.json $OUT/tp/ 2>/dev/null
-  for f in benchmarks/results/throughput-runs/throughput-*-1024-256.log; do tail -c 200000 "$f" > $OUT/tp/$(basename $f); done ;;
+  for f in $(find benchmarks/results/throughput-runs -name "throughput-*.log" -mmin -20); do tail -c 200000 "$f" > $OUT/tp/$(basename $f); done ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
