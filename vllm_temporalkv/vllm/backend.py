@@ -175,8 +175,13 @@ class TemporalKVMetadataBuilder(AttentionMetadataBuilder[TemporalKVMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TemporalKVMetadata:
         cam = common_attn_metadata
-        n = cam.num_actual_tokens
+        # vLLM's dummy batches (kernel autotuning, warm-up sizes, idle data-parallel ranks) mark every slot as
+        # padding (-1) and may reuse stale block-table rows: nothing to attend to, nothing to write
+        sm = getattr(cam, "slot_mapping", None)
+        if sm is not None and sm.numel() and int(sm[0]) < 0:
+            return None
         qsl = cam.query_start_loc_cpu.long()
+        n = min(cam.num_actual_tokens, int(qsl[-1]))  # padded batches (full CUDA graphs): padding is no request's
         seq = cam.seq_lens.cpu().long()
         qlen = qsl[1:] - qsl[:-1]
         req = torch.repeat_interleave(torch.arange(len(qlen)), qlen)[:n]
