@@ -217,3 +217,42 @@ def test_triton_path_forward_serves_mixed_batches(monkeypatch):
     windowed.layout = PageLayout(get_format("temporalkv-2bit"), 64, 32, window=8)
     mod, name = select(windowed, torch.device(DEVICE))
     assert mod is reference and "recent window" in name, name
+
+
+def test_uniform_decode_step_needs_no_host_tensors_and_skips_padding():
+    """A decode-only step as a CUDA graph would replay it: every row's position and page come from the device
+    seq_lens and block table (the host ``positions`` / ``page_ids`` passed are wrong on purpose and must not be
+    read), and the batch is padded to a captured size with rows of seq_len 0 whose stale block-table rows point
+    at live pages - the real rows' outputs match the torch path, the pages match it bit for bit (nothing
+    written through the padding), and blocks complete on the way."""
+    from vllm_temporalkv.ops import triton_path
+
+    case = ("temporalkv-2bit", 64, True, torch.bfloat16, 1)
+    lens = [23, 15, 9]  # positions 22, 14 (completes a block), 8
+    lc, pages, tables, kv, q = _decode_setup(case, lens, block_size=16, seed=7)
+    ctx = {r: (0, n - 1) for r, n in enumerate(lens)}
+    reference.write_kv(lc, pages, *_batch(kv, ctx, tables, lc.block_size))
+    ref = pages.clone()
+    key, val, pos, pid = _batch(kv, {r: (n - 1, n) for r, n in enumerate(lens)}, tables, lc.block_size)
+    qsl = torch.arange(len(lens) + 1)
+    sl = torch.tensor(lens)
+    want = reference.forward(lc, ref, q, key, val, qsl, sl, tables, pos, pid, 0.125, batch_invariant=False)
+    # padded to 5 rows: seq_len 0, the block table's stale rows = live requests' pages
+    P = 2
+    g = torch.Generator().manual_seed(8)
+    qp = torch.cat([q, _randn(g, P, H * GQ, 64).to(q.dtype)])
+    kp = torch.cat([key, _randn(g, P, H, 64).to(key.dtype)])
+    vp = torch.cat([val, _randn(g, P, H, 64).to(val.dtype)])
+    slp = torch.cat([sl, torch.zeros(P, dtype=sl.dtype)]).to(DEVICE, torch.int32)
+    btp = torch.cat([tables, tables[:P]])
+    plan = triton_path.plan_step(torch.arange(len(lens) + P + 1), slp.cpu(), pages.device, btp.device, slp, btp,
+                                 lc.block_size)
+    assert plan.uniform_decode and plan.positions.tolist() == [22, 14, 8, -1, -1]
+    assert plan.page_ids.tolist()[:3] == pid.tolist() and plan.page_ids.tolist()[3:] == [-1, -1]
+    wrong = torch.zeros(len(lens) + P, dtype=torch.long, device=DEVICE)
+    got = triton_path.forward(lc, pages, qp, kp, vp, None, None, btp, wrong, wrong, 0.125,
+                              batch_invariant=False, plan=plan)
+    n = len(lens)
+    assert (got[:n].float() - want.float()).abs().max() <= _tol(lc.dtype) * max(1.0, want.float().abs().max().item())
+    assert torch.isfinite(got[n:].float()).all()
+    assert torch.equal(pages, ref)

@@ -172,7 +172,7 @@ def _encode_kernel(
     i = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.load(pos_ptr + i)
-    if (p < SINKS) | (p % BLOCK != BLOCK - 1):
+    if (p < SINKS) | (p % BLOCK != BLOCK - 1):  # also a padded row (position -1)
         return
     pg = tl.load(pid_ptr + i)
     rec = (pg.to(tl.int64) * H + h) * rec_bytes  # byte offset of the (page, head) record
@@ -264,6 +264,8 @@ def _store_kernel(k_ptr, v_ptr, pos_ptr, pid_ptr, N, pages_h, rec_h,
     i = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.load(pos_ptr + i)
+    if p < 0:  # a padded row (a CUDA graph's batch is padded to its captured size)
+        return
     pg = tl.load(pid_ptr + i)
     off = p % BLOCK
     # a token whose block is completed by a later token of this call was encoded instead

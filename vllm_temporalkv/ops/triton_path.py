@@ -51,19 +51,42 @@ class StepPlan:
     decode_rows: torch.Tensor | None  # mixed steps: the decodes' token rows (= their request's first row)
     decode_reqs: torch.Tensor | None  # and their request indices, on the block table's device
     prefills: list[int]  # requests with more than one query token (host)
+    # a uniform decode with the block table: each row's position and page, computed on the device from seq_lens
+    # and the block table alone (a padded row, seq_len 0: position -1, page -1, which the kernels skip) - what a
+    # CUDA graph replays, reading vLLM's persistent buffers
+    positions: torch.Tensor | None = None
+    page_ids: torch.Tensor | None = None
+    max_position: int | None = None  # the block table's capacity in tokens: spares write_kv a device sync
+
+
+def decode_slots(seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int):
+    """(positions, page ids) of one query token per request, on the device, no sync: position seq_len - 1 in its
+    page; rows with seq_len 0 (padding) get -1 for both."""
+    live = seq_lens > 0
+    pos = seq_lens.long() - 1
+    rows = torch.arange(seq_lens.shape[0], device=block_tables.device)
+    page = block_tables[rows, (pos.clamp(min=0) // block_size).to(block_tables.device)]
+    return (torch.where(live, pos, -1).to(block_tables.device),
+            torch.where(live.to(block_tables.device), page.long(), -1))
 
 
 def plan_step(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, device, table_device=None,
-              device_seq_lens: torch.Tensor | None = None) -> StepPlan:
+              device_seq_lens: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
+              block_size: int | None = None) -> StepPlan:
     """From the host ``query_start_loc`` / ``seq_lens``; ``device_seq_lens``: vLLM's own device copy of
-    ``seq_lens`` (a uniform decode reads it as is: no copy at all)."""
+    ``seq_lens`` (a uniform decode reads it as is: no copy at all); with ``block_tables`` and ``block_size``
+    a uniform decode also finds its own positions and pages on the device."""
     qsl = query_start_loc.cpu()
     qlen = qsl[1:] - qsl[:-1]
     one = qlen == 1
     if bool(one.all()):
         dev_sl = device_seq_lens if device_seq_lens is not None and device_seq_lens.device == torch.device(device) \
             else seq_lens.to(device, torch.int32)
-        return StepPlan(True, qsl.to(device, torch.int32), dev_sl, None, None, [])
+        plan = StepPlan(True, qsl.to(device, torch.int32), dev_sl, None, None, [])
+        if block_tables is not None and block_size:
+            plan.positions, plan.page_ids = decode_slots(dev_sl, block_tables, block_size)
+            plan.max_position = block_tables.shape[1] * block_size
+        return plan
     dec = one.nonzero().flatten()
     return StepPlan(False, torch.arange(dec.numel() + 1, dtype=torch.int32).to(device),
                     seq_lens.cpu()[dec].to(device, torch.int32), qsl[:-1][dec].to(device),
@@ -87,6 +110,9 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
         plan = plan_step(query_start_loc, seq_lens, pages.device, block_tables.device)
     if plan.uniform_decode:
         decode_attention(lc, pages, query, key, value, plan.query_start_loc, plan.seq_lens, block_tables, scale, out)
+        if plan.positions is not None:  # no host tensor, no sync: what a CUDA graph of the step can replay
+            write_kv(lc, pages, key, value, plan.positions, plan.page_ids, max_position=plan.max_position)
+            return out
     else:
         if plan.decode_rows is not None and plan.decode_rows.numel():
             rows = plan.decode_rows

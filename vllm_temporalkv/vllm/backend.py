@@ -141,6 +141,7 @@ class TemporalKVMetadata:
     positions: torch.Tensor  # [num_actual_tokens]
     page_ids: torch.Tensor  # [num_actual_tokens]
     device_seq_lens: torch.Tensor | None = None  # vLLM's device copy of seq_lens (the requests' rows)
+    block_size: int | None = None  # tokens per page (the Triton path finds a decode's page on the device)
     _plans: dict = dataclasses.field(default_factory=dict)  # device -> triton_path.StepPlan, once per step
 
     def plan(self, device):
@@ -151,7 +152,8 @@ class TemporalKVMetadata:
             from ..ops import triton_path
 
             self._plans[key] = triton_path.plan_step(self.query_start_loc, self.seq_lens, device,
-                                                     self.block_table.device, self.device_seq_lens)
+                                                     self.block_table.device, self.device_seq_lens,
+                                                     self.block_table, self.block_size)
         return self._plans[key]
 
 
@@ -180,7 +182,7 @@ class TemporalKVMetadataBuilder(AttentionMetadataBuilder[TemporalKVMetadata]):
         bt = cam.block_table_tensor
         page_ids = bt[req.to(bt.device), (positions // self.block_size).to(bt.device)]
         return TemporalKVMetadata(n, qsl, seq, bt, positions.to(bt.device), page_ids,
-                                  device_seq_lens=cam.seq_lens[: len(qlen)])
+                                  device_seq_lens=cam.seq_lens[: len(qlen)], block_size=self.block_size)
 
 
 _LOGGED_PATHS: set[str] = set()
