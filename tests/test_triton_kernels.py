@@ -184,13 +184,15 @@ def test_triton_path_forward_serves_mixed_batches(monkeypatch):
 
     case = ("temporalkv-2bit", 64, True, torch.bfloat16, 1)
     lens = [40, 23, 9]
-    lc, pages, tables, kv, _ = _decode_setup(case, [n + 3 for n in lens], block_size=16, seed=5)
+    lc, pages, tables, kv, _ = _decode_setup(case, [n + 10 for n in lens], block_size=16, seed=5)
     ref = pages.clone()
     g = torch.Generator().manual_seed(6)
     # step 1: two prefill chunks and a whole short prompt; step 2: request 0 continues, 1 and 2 decode;
     # steps 3-4: decodes only (a uniform batch: one launch), blocks completing on the way
-    steps = [{0: (0, 17), 1: (0, 22), 2: (0, 9)}, {0: (17, 40), 1: (22, 23), 2: (9, 10)},
-             {0: (40, 41), 1: (23, 24), 2: (10, 11)}, {0: (41, 42), 1: (24, 25), 2: (11, 12)}]
+    # step 5: a chunk before two decodes (the decodes gathered), step 2 has them first (as vLLM reorders: a slice)
+    steps = [{0: (0, 17), 1: (0, 22), 2: (0, 9)}, {1: (22, 23), 2: (9, 10), 0: (17, 40)},
+             {0: (40, 41), 1: (23, 24), 2: (10, 11)}, {0: (41, 42), 1: (24, 25), 2: (11, 12)},
+             {0: (42, 47), 1: (25, 26), 2: (12, 13)}]
     for calls in steps:
         key, val, pos, pid = _batch(kv, calls, tables, lc.block_size)
         n = key.shape[0]
@@ -203,6 +205,7 @@ def test_triton_path_forward_serves_mixed_batches(monkeypatch):
         plan = triton_path.plan_step(qsl, sl, pages.device)
         assert plan.uniform_decode == all(b - a == 1 for a, b in calls.values())
         assert plan.prefills == [i for i, (a, b) in enumerate(calls.values()) if b - a > 1]
+        assert plan.decode_prefix == (2 if list(calls) == [1, 2, 0] else 0)
         second_layer = pages.clone()
         got = triton_path.forward(lc, pages, q, key, val, qsl, sl, bt, pos, pid, 0.125, batch_invariant=False)
         assert (got.float() - want.float()).abs().max() <= _tol(lc.dtype) * max(1.0, want.float().abs().max().item())

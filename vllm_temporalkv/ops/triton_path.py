@@ -51,6 +51,7 @@ class StepPlan:
     decode_rows: torch.Tensor | None  # mixed steps: the decodes' token rows (= their request's first row)
     decode_reqs: torch.Tensor | None  # and their request indices, on the block table's device
     prefills: list[int]  # requests with more than one query token (host)
+    decode_prefix: int = 0  # mixed steps whose decodes are the first requests (vLLM reorders them so): how many
     # a uniform decode with the block table: each row's position and page, computed on the device from seq_lens
     # and the block table alone (a padded row, seq_len 0: position -1, page -1, which the kernels skip) - what a
     # CUDA graph replays, reading vLLM's persistent buffers
@@ -88,9 +89,11 @@ def plan_step(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, device, tab
             plan.max_position = block_tables.shape[1] * block_size
         return plan
     dec = one.nonzero().flatten()
-    return StepPlan(False, torch.arange(dec.numel() + 1, dtype=torch.int32).to(device),
-                    seq_lens.cpu()[dec].to(device, torch.int32), qsl[:-1][dec].to(device),
-                    dec.to(table_device or device), (~one).nonzero().flatten().tolist())
+    nd = dec.numel()
+    prefix = nd if nd and int(dec[-1]) == nd - 1 else 0  # the backend asks vLLM for decodes first
+    return StepPlan(False, torch.arange(nd + 1, dtype=torch.int32).to(device),
+                    seq_lens.cpu()[dec].to(device, torch.int32), None if prefix else qsl[:-1][dec].to(device),
+                    None if prefix else dec.to(table_device or device), (~one).nonzero().flatten().tolist(), prefix)
 
 
 @torch.no_grad()
@@ -114,7 +117,11 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
             write_kv(lc, pages, key, value, plan.positions, plan.page_ids, max_position=plan.max_position)
             return out
     else:
-        if plan.decode_rows is not None and plan.decode_rows.numel():
+        if plan.decode_prefix:  # decodes first: their rows are the first ones, views not copies
+            d = plan.decode_prefix
+            decode_attention(lc, pages, query[:d], key[:d], value[:d], plan.query_start_loc, plan.seq_lens,
+                             block_tables[:d], scale, out[:d])
+        elif plan.decode_rows is not None and plan.decode_rows.numel():
             rows = plan.decode_rows
             out[rows] = decode_attention(lc, pages, query[rows], key[rows], value[rows], plan.query_start_loc,
                                          plan.seq_lens, block_tables[plan.decode_reqs], scale).to(out.dtype)

@@ -14,8 +14,9 @@ path writes a prefill chunk first, having read those slots, so that its blocks a
 ``ops.select`` picks the kernels per layer: the C++ kernels of csrc/ on the CPU (ops/cpu.py), the Triton
 kernels on CUDA (ops/triton_path.py: decodes in one Triton launch, prefill chunks on the torch attention, the
 store by the Triton encoder; on the CPU too, in Triton's interpreter, when ``VLLM_TEMPORALKV_OPS=triton``), and
-the torch path (ops/paged_torch.py: the oracle) as the fallback.  Not yet: CUDA graphs, a Triton prefill kernel,
-metadata without host tensors (issue "The CUDA path for real").
+the torch path (ops/paged_torch.py: the oracle) as the fallback.  A uniform decode step on the Triton path reads
+only device tensors and skips padded rows (what a CUDA graph replays); not yet: claiming CUDA graph support (see
+benchmarks/gpu/NOTES.md), a Triton prefill kernel (issue "The CUDA path for real").
 """
 
 from __future__ import annotations
@@ -163,6 +164,8 @@ class TemporalKVMetadataBuilder(AttentionMetadataBuilder[TemporalKVMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        # decodes first (vLLM reorders the batch): a mixed step's decodes are one slice of rows for the Triton path
+        self.reorder_batch_threshold = 1
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TemporalKVMetadata:
