@@ -177,8 +177,8 @@ class TemporalKVMetadataBuilder(AttentionMetadataBuilder[TemporalKVMetadata]):
             return None
         qsl = cam.query_start_loc_cpu.long()
         n = min(cam.num_actual_tokens, int(qsl[-1]))  # padded batches (full CUDA graphs): padding is no request's
-        seq = cam.seq_lens.cpu().long()
         qlen = qsl[1:] - qsl[:-1]
+        seq = compat.host_seq_lens(cam, len(qlen))
         req = torch.repeat_interleave(torch.arange(len(qlen)), qlen)[:n]
         # a request's new tokens are the last qlen positions of its sequence
         positions = (seq - qlen)[req] + (torch.arange(n) - qsl[:-1][req])

@@ -218,6 +218,15 @@ def customize_spec(spec: Any, *, block_size: int, record_bytes: int, num_heads: 
     )
 
 
+def host_seq_lens(cam: Any, num_reqs: int) -> torch.Tensor:
+    """The step's seq_lens on the host without a device sync: vLLM's ``seq_lens_cpu_upper_bound`` (0.26 and 0.32),
+    exact except for asynchronous speculative decoding, which the plugin refuses; else a copy of the device's."""
+    ub = getattr(cam, "seq_lens_cpu_upper_bound", None)
+    if isinstance(ub, torch.Tensor) and ub.device.type == "cpu" and ub.shape[0] >= num_reqs:
+        return ub[:num_reqs].long()
+    return cam.seq_lens[:num_reqs].cpu().long()
+
+
 def pages_view(kv_cache: torch.Tensor) -> torch.Tensor:
     """The layer's cache as [num_pages, H, record_bytes] uint8."""
     if kv_cache.dim() == 4:  # 0.32: [pages, H, states(=1), bytes]
