@@ -111,3 +111,21 @@ def test_current_vllm_keeps_its_own_hook():
         pytest.skip("vLLM < 0.27")
     out = compat.customize_spec(full_spec(), block_size=1024, record_bytes=1000, num_heads=3)
     assert not isinstance(out, compat.RecordPageSpec)
+
+
+def test_host_seq_lens_without_a_device_copy():
+    """The builder's host seq_lens: vLLM's host upper bound (exact without speculative decoding) when it covers the
+    step's requests, else a copy of the device tensor."""
+    from types import SimpleNamespace
+
+    class NoCopy(torch.Tensor):
+        def cpu(self):  # the device copy the upper bound spares
+            raise AssertionError("copied")
+
+    dev = torch.tensor([5, 9, 0], dtype=torch.int32).as_subclass(NoCopy)
+    ub = torch.tensor([5, 9, 0, 7], dtype=torch.int32)
+    got = compat.host_seq_lens(SimpleNamespace(seq_lens=dev, seq_lens_cpu_upper_bound=ub), 3)
+    assert got.tolist() == [5, 9, 0] and got.dtype == torch.int64
+    plain = torch.tensor([5, 9], dtype=torch.int32)
+    assert compat.host_seq_lens(SimpleNamespace(seq_lens=plain, seq_lens_cpu_upper_bound=None), 2).tolist() == [5, 9]
+    assert compat.host_seq_lens(SimpleNamespace(seq_lens=plain, seq_lens_cpu_upper_bound=ub[:1]), 2).tolist() == [5, 9]
