@@ -43,7 +43,7 @@ def test_kernels_smoke(tmp_path):
         assert x["max_abs_err"] <= 6e-2 * max(1.0, x["ref_absmax"]), x
         assert x["check_ok"] and x["fp16_paged_err"] <= 6e-2, x
         assert x["bytes_read"] > 0 and x["speedup_vs_sdpa"] > 0
-    assert rep["encode"] and all(e["bit_exact"] for e in rep["encode"])
+    assert rep["encode"] and all(e["bit_exact"] and e["gather_bit_exact"] for e in rep["encode"])
     assert (out / "kernels.md").is_file() and (out / "kernels.png").is_file()
     assert "SMOKE" in (out / "kernels.md").read_text()
 

@@ -209,8 +209,10 @@ def write_kv_window(lc: LayerCache, pages: torch.Tensor, key: torch.Tensor, valu
 
 
 @torch.no_grad()
-def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n: int):
-    """The first n cached tokens of one sequence -> (K post-RoPE, V), each [n, H, D] in lc.dtype."""
+def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n: int, *, decode_blocks=None):
+    """The first n cached tokens of one sequence -> (K post-RoPE, V), each [n, H, D] in lc.dtype.
+    ``decode_blocks(lc, pages, block_table, full, K, V)``: a twin that fills rows [8, 8 * full) from the codes
+    (the Triton path's kernel); the exact sinks and tail are copied here either way."""
     lay = lc.layout
     region = lay.region_view(pages, lc.store_dtype)
     H, D = region.shape[1], region.shape[-1]
@@ -223,7 +225,9 @@ def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n:
         V[:ns] = region[p0, :, :ns, 1].transpose(0, 1)
     tail0 = exact_from(n, lay.window)  # the encoded blocks end here; the ring holds the rest
     full = tail0 // BLOCK_TOKENS  # encoded blocks, the first being the sinks
-    if full > 1:
+    if full > 1 and decode_blocks is not None:
+        decode_blocks(lc, pages, block_table, full, K, V)
+    elif full > 1:
         bpos = torch.arange(1, full, device=pages.device) * BLOCK_TOKENS
         pg = block_table[(bpos // lc.block_size).long()]
         slot = (bpos % lc.block_size) // BLOCK_TOKENS

@@ -47,8 +47,9 @@ import triton
 import triton.language as tl
 
 from ..formats import BLOCK_TOKENS
+from . import paged_torch
 from .triton_encode import (
-    BLOCK, INTERPRET, SINKS, TEMPORAL, CHANNEL, codec_params, page_views, rope_table,
+    BLOCK, INTERPRET, SINKS, TEMPORAL, CHANNEL, _round_half, codec_params, page_views, rope_table,
 )
 
 LOG2E = 1.4426950408889634
@@ -280,6 +281,83 @@ def _reduce_kernel(acc_ptr, ml_ptr, out_ptr, vmean_ptr, vstd_ptr, S,
     z = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
     o = z * tl.load(vstd_ptr + h * D + dd) + tl.load(vmean_ptr + h * D + dd)
     tl.store(out_ptr + (r.to(tl.int64) * HQ + hq) * D + dd, o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _gather_kernel(
+    pages_u8, pages_h, pages_i16, bt_row, kcb_ptr, vcb_ptr, kmean_ptr, kstd_ptr, vmean_ptr, vstd_ptr,
+    cos_ptr, sin_ptr, k_out, v_out, cend, rec_bytes, k_codes, v_codes, k_idx, k_val, v_idx, v_val, block_size,
+    H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+    KM: tl.constexpr, KL: tl.constexpr, KBITS: tl.constexpr, KKC: tl.constexpr,
+    VM: tl.constexpr, VL: tl.constexpr, VBITS: tl.constexpr, VKC: tl.constexpr,
+    CAP: tl.constexpr, CAP_P2: tl.constexpr, F32: tl.constexpr, BF: tl.constexpr,
+):
+    """One tile of BT tokens of one KV head's encoded blocks -> K (post-RoPE) and V rows in the model dtype:
+    the decode kernel's lookups, then ``z * std + mean``, exact outliers and RoPE at each token's position, in
+    the reference's order (launched without FMA contraction: bit-identical to ``paged_torch.gather_kv``)."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    DT: tl.constexpr = k_out.dtype.element_ty
+    HD: tl.constexpr = D // 2
+    t0 = tile * BT
+    tok = t0 + tl.arange(0, BT)
+    ok = ((tok >= SINKS) & (tok < cend))[:, None]
+    dh = tl.arange(0, HD)[None, :]
+    dd = tl.arange(0, D)[None, :]
+    kcb = kcb_ptr + h * (D // KL) * KKC * KL
+    vcb = vcb_ptr + h * (D // VL) * VKC * VL
+    k_lo = _lookup(pages_u8, kcb, bt_row, t0, cend, h, rec_bytes, k_codes, block_size,
+                   0, HD, BT, KM, KL, KBITS, KKC, H, D)
+    k_hi = _lookup(pages_u8, kcb, bt_row, t0, cend, h, rec_bytes, k_codes, block_size,
+                   HD, HD, BT, KM, KL, KBITS, KKC, H, D)
+    k_lo = k_lo * tl.load(kstd_ptr + h * D + dh) + tl.load(kmean_ptr + h * D + dh)
+    k_hi = k_hi * tl.load(kstd_ptr + h * D + HD + dh) + tl.load(kmean_ptr + h * D + HD + dh)
+    v = _lookup(pages_u8, vcb, bt_row, t0, cend, h, rec_bytes, v_codes, block_size,
+                0, D, BT, VM, VL, VBITS, VKC, H, D)
+    v = v * tl.load(vstd_ptr + h * D + dd) + tl.load(vmean_ptr + h * D + dd)
+    if CAP > 0:
+        k_lo = _outliers(k_lo, pages_h, pages_i16, bt_row, t0, h, rec_bytes, k_idx, k_val, kmean_ptr,
+                         kmean_ptr, cend, 0, HD, False, H, D, BT, CAP, CAP_P2, block_size, F32, DT)
+        k_hi = _outliers(k_hi, pages_h, pages_i16, bt_row, t0, h, rec_bytes, k_idx, k_val, kmean_ptr,
+                         kmean_ptr, cend, HD, HD, False, H, D, BT, CAP, CAP_P2, block_size, F32, DT)
+        v = _outliers(v, pages_h, pages_i16, bt_row, t0, h, rec_bytes, v_idx, v_val, vmean_ptr,
+                      vmean_ptr, cend, 0, D, False, H, D, BT, CAP, CAP_P2, block_size, F32, DT)
+    row = tok[:, None].to(tl.int64) * D
+    c_lo = tl.load(cos_ptr + row + dh, mask=ok, other=0.0)
+    s_lo = tl.load(sin_ptr + row + dh, mask=ok, other=0.0)
+    c_hi = tl.load(cos_ptr + row + HD + dh, mask=ok, other=0.0)
+    s_hi = tl.load(sin_ptr + row + HD + dh, mask=ok, other=0.0)
+    out = (tok[:, None].to(tl.int64) * H + h) * D
+    # rounded to the model dtype to nearest even here (the interpreter's own bf16 cast truncates)
+    tl.store(k_out + out + dh, _round_half(k_lo * c_lo - k_hi * s_lo, BF).to(DT), mask=ok)
+    tl.store(k_out + out + HD + dh, _round_half(k_hi * c_hi + k_lo * s_hi, BF).to(DT), mask=ok)
+    tl.store(v_out + out + dd, _round_half(v, BF).to(DT), mask=ok)
+
+
+def decode_blocks(lc, pages: torch.Tensor, block_table: torch.Tensor, full: int, K: torch.Tensor,
+                  V: torch.Tensor) -> None:
+    """Rows [8, 8 * full) of K (post-RoPE) and V [n, H, D] from one sequence's codes: the Triton twin of the
+    block decode in ``paged_torch.gather_kv`` (its ``decode_blocks``), for prefill chunks on the CUDA path."""
+    lay = lc.layout
+    H, D = K.shape[1], K.shape[2]
+    u8, hv, i16 = page_views(pages, lc.dtype)
+    kp, vp = codec_params(lc.k, pages.device), codec_params(lc.v, pages.device)
+    cend = full * BLOCK
+    cos, sin = rope_table(lc.rope, cend, pages.device)
+    _gather_kernel[(triton.cdiv(cend, TILE_TOKENS), H)](
+        u8, hv, i16, block_table.contiguous(), kp.centroids, vp.centroids, kp.mean, kp.std, vp.mean, vp.std,
+        cos, sin, K, V, cend, lay.bytes, lay.k_codes, lay.v_codes, lay.k_idx, lay.k_val, lay.v_idx, lay.v_val,
+        lay.block_size, H=H, D=D, BT=TILE_TOKENS,
+        KM=kp.method, KL=kp.chunk, KBITS=kp.code_bits, KKC=kp.n_centroids,
+        VM=vp.method, VL=vp.chunk, VBITS=vp.code_bits, VKC=vp.n_centroids,
+        CAP=lay.cap, CAP_P2=triton.next_power_of_2(max(lay.cap, 1)), F32=INTERPRET, BF=K.dtype == torch.bfloat16,
+        enable_fp_fusion=False,
+    )
+
+
+def gather_kv(lc, pages: torch.Tensor, block_table: torch.Tensor, n: int):
+    """Twin of ``paged_torch.gather_kv``: the exact sinks and tail copied by torch, the blocks by the kernel."""
+    return paged_torch.gather_kv(lc, pages, block_table, n, decode_blocks=decode_blocks)
 
 
 def num_splits(batch_heads: int, max_tiles: int, device: torch.device) -> int:

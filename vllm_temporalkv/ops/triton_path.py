@@ -3,8 +3,9 @@
 A step of one layer, attention first and then the cache update, as the cache contract requires:
 * the requests with one query token (decodes) attend in one ``triton_decode`` launch for all of them, straight
   from the codes (no per-request Python);
-* the others (prefill chunks) attend on the torch path (``paged_torch.paged_attention`` for those requests: the
-  context decoded once, then flash attention over it and the exact band);
+* the others (prefill chunks) attend on the torch attention (``paged_torch.paged_attention`` for those requests:
+  the context's blocks decoded once by a Triton kernel, ``triton_decode.gather_kv``, bit-identical to the torch
+  decode, then flash attention over them and the exact band);
 * every new token is stored by ``triton_encode.write_kv`` (encode completed blocks, store the rest), bit-identical
   to ``paged_torch.write_kv``.
 
@@ -21,7 +22,7 @@ import dataclasses
 import torch
 
 from . import paged_torch
-from .triton_decode import paged_attention as decode_attention
+from .triton_decode import gather_kv, paged_attention as decode_attention
 from .triton_encode import INTERPRET, write_kv
 
 
@@ -127,6 +128,6 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
                                          plan.seq_lens, block_tables[plan.decode_reqs], scale).to(out.dtype)
         # prefill chunks (paged_attention skips empty ones)
         paged_torch.paged_attention(lc, pages, query, key, value, query_start_loc.cpu(), seq_lens, block_tables,
-                                    scale, out, batch_invariant=False, requests=plan.prefills)
+                                    scale, out, batch_invariant=False, requests=plan.prefills, gather=gather_kv)
     write_kv(lc, pages, key, value, positions, page_ids)
     return out
