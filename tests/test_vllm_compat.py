@@ -69,8 +69,8 @@ def test_vllm026_pages_are_sized_and_viewed_as_one_record_per_head(records, fmt,
 
 
 def test_vllm026_record_specs_merge_only_when_equal(records):
-    a = compat.customize_spec(full_spec(), block_size=1024, record_bytes=1000, num_heads=3, record_pages=True)
-    b = compat.customize_spec(full_spec(), block_size=1024, record_bytes=1000, num_heads=3, record_pages=True)
+    a = compat.describe_spec(full_spec(), FakeLayer(0), lambda *_: 1000, record_pages=True)
+    b = compat.describe_spec(full_spec(), FakeLayer(1), lambda *_: 1000, record_pages=True)
     merged = compat.RecordPageSpec.merge([a, b])
     assert merged.record_bytes == 1000 and merged.real_page_size_bytes == 3000
     c = dataclasses.replace(b, record_bytes=2000)

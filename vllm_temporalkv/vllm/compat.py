@@ -206,13 +206,9 @@ def spec_record_bytes(spec: Any) -> int:
     return int(getattr(spec, "temporalkv_record_bytes", 0) or 0)
 
 
-def customize_spec(spec: Any, *, block_size: int, record_bytes: int, num_heads: int,
-                   record_pages: bool = not HAS_CUSTOMIZE_SPEC) -> Any:
-    """One state per (page, KV head): vLLM then views a layer's cache as [pages, H, 1, bytes] (0.27+), or
-    [pages, H, bytes] through the backend's get_kv_cache_shape (0.26: a RecordPageSpec)."""
-    if record_pages:
-        fields = {k: v for k, v in _spec_fields(spec).items() if k != "record_bytes"}
-        return RecordPageSpec(**fields, record_bytes=record_bytes)
+def customize_spec(spec: Any, *, block_size: int, record_bytes: int, num_heads: int) -> Any:
+    """0.27+: one state per (page, KV head), so vLLM views a layer's cache as [pages, H, 1, bytes] (on 0.26
+    ``describe_spec`` makes the RecordPageSpec itself: that vLLM has no customize_spec hook)."""
     return dataclasses.replace(
         spec, tokens_per_state=block_size, state_content_bytes=record_bytes, num_head_slots=num_heads
     )
