@@ -17,10 +17,14 @@ HEADLINE = RESULTS / "headline.json"
 def machine() -> dict:
     import torch
 
+    from vllm_temporalkv.cpu_isa import cpu_class, simd_flags
+
     info = {
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu": _cpu_name(),
+        "cpu_class": cpu_class(),  # amx / avx512bf16 / avx512 / avx2 / scalar: figures differ by class
+        "cpu_simd": simd_flags(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),

@@ -68,6 +68,8 @@ from pathlib import Path
 
 import torch
 
+from vllm_temporalkv.cpu_isa import cpu_class, request_amx, simd_flags
+
 from .common import RESULTS, merge_headline, plot_decode_grid, run_record, write_json
 from .kernels import SHAPES, fill_pages, make_layer_cache, parse_format, shape_key
 
@@ -80,8 +82,6 @@ HEADLINE_FORMATS = {"temporalkv-2bit"}
 TOL = 2e-2  # |C++ - torch| <= TOL * max(1, |torch|max): bf16 outputs, loosely (tests/test_cpu_kernels.py is tight)
 VLLM_TOL = 2e-2  # vLLM's bf16 op vs float32 dense attention, same scaling
 BLOCK, SINKS = 8, 8  # formats.BLOCK_TOKENS, SINK_TOKENS (asserted in run())
-SIMD_FLAGS = ("sse4_2", "fma", "f16c", "avx", "avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
-              "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
 cpu_ops = paged_torch = None  # vllm_temporalkv.ops.{cpu, paged_torch}, imported by run()
 
@@ -90,13 +90,12 @@ cpu_ops = paged_torch = None  # vllm_temporalkv.ops.{cpu, paged_torch}, imported
 
 
 def cpu_facts() -> dict:
-    flags, model = set(), None
+    model = None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-            elif line.startswith("model name") and model is None:
+            if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
+                break
     except OSError:
         pass
     caches = {}
@@ -106,7 +105,7 @@ def cpu_facts() -> dict:
             caches[f"L{lvl}{'' if kind == 'Unified' else kind[0].lower()}"] = (idx / "size").read_text().strip()
         except OSError:
             pass
-    return dict(model=model, simd=[f for f in SIMD_FLAGS if f in flags], caches=caches, cpu_count=os.cpu_count(),
+    return dict(model=model, cpu_class=cpu_class(), simd=simd_flags(), caches=caches, cpu_count=os.cpu_count(),
                 affinity=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                 torch_threads=torch.get_num_threads(), omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
 
@@ -193,7 +192,11 @@ def load_vllm_op(dtype, D: int, block_size: int) -> dict:
         split = bool(envs.VLLM_CPU_ATTN_SPLIT_KV)
     except Exception as e:  # noqa: BLE001
         return dict(error=f"vLLM's CPU backend helpers failed: {type(e).__name__}: {e}")
-    return dict(ops=ops, isa=isa, split_kv=split, version=vllm.__version__)
+    # vLLM's op runs AMX tiles on an AMX CPU (isa "amx"); outside vLLM's worker nothing has asked Linux for the
+    # tile state yet, and the first tile instruction was a SIGILL (an Intel AMX Xeon, issue 36): ask as the worker
+    # does (cpu_isa.request_amx; a no-op without AMX)
+    amx = request_amx()
+    return dict(ops=ops, isa=isa, split_kv=split, version=vllm.__version__, amx_requested=amx)
 
 
 class VllmBf16:

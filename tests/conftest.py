@@ -12,6 +12,27 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+
+def _machine_line() -> str:
+    from vllm_temporalkv.cpu_isa import cpu_class, simd_flags
+    from vllm_temporalkv.vllm.cpu_tuning import default_dtype
+
+    return (f"cpu class: {cpu_class()} ({' '.join(simd_flags())}); {os.cpu_count()} CPUs; "
+            f"served model dtype by default: {default_dtype() or 'bfloat16'}")
+
+
+# The CPU class and SIMD flags head and close every run's output (the closing line survives `-q`): numeric
+# bounds and kernel variants differ by class (AVX2 / AVX-512 / AVX512-BF16 / AMX), so a failure must name the
+# machine it happened on.
+def pytest_report_header(config):
+    return [_machine_line()]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    terminalreporter.write_line(_machine_line())
+
+
 TINY_FORMATS = ["temporalkv-2bit", "channelkv-2bit", "kvquant-2bit", "temporalkv-4bit", "temporalkv-1bit"]  # + the mix
 
 

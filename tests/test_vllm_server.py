@@ -22,8 +22,8 @@ from benchmarks.vllm_server import VLLMServer  # noqa: E402
 MAX_LEN = 2048
 
 
-def _server(model_dir, artifact, fmt, *extra, **options):
-    return VLLMServer(model_dir, "--kv-cache-dtype", fmt, "--served-model-name", "smollm2", "--dtype", "bfloat16",
+def _server(model_dir, artifact, fmt, *extra, dtype="bfloat16", **options):
+    return VLLMServer(model_dir, "--kv-cache-dtype", fmt, "--served-model-name", "smollm2", "--dtype", dtype,
                       "--max-model-len", str(MAX_LEN), "--additional-config",
                       json.dumps({"temporalkv_artifact": str(artifact), **options}), *extra)
 
@@ -31,9 +31,14 @@ def _server(model_dir, artifact, fmt, *extra, **options):
 @pytest.fixture(scope="module")
 def server_2bit(smollm2_dir, tiny_artifact):
     # prefix caching on; a 256-token step budget chunks every long prompt; batch-invariant attention
-    # (the 4-bit server runs the default float32 path)
+    # (the 4-bit server runs the default float32 path).  A float32 model: concurrent requests share vLLM's GEMMs,
+    # whose bf16 kernels are chosen and blocked per batch size (benchmarks/batch_variance.py: on an AMD EPYC with
+    # AVX512-BF16, 2% of rows of one projection change with the batch by up to a bf16 step; on an Intel AMX Xeon,
+    # where small bf16 weights go to an AMX kernel, every first-token logprob of the concurrency test below moved
+    # by > 0.1 nats at 2 bits, issue 36); float32 GEMMs differ by ~1e-6 relative (same measurement), which 2-bit
+    # codes amplify to ~1e-4 nats (stress.md).  The 4-bit server and the others keep serving bf16.
     with _server(smollm2_dir, tiny_artifact, "temporalkv-2bit", "--enable-prefix-caching",
-                 "--max-num-batched-tokens", "256", temporalkv_batch_invariant=True) as s:
+                 "--max-num-batched-tokens", "256", dtype="float32", temporalkv_batch_invariant=True) as s:
         yield s
 
 
@@ -116,10 +121,11 @@ def score(server, ids) -> tuple[float, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def hf_nll(smollm2_dir, tiny_artifact, austen_ids):
-    """The same text scored in plain transformers (float32): uncompressed, and through the reference
-    codecs under the serving semantics (benchmarks.quality's "causal" protocol: earlier blocks decoded,
-    a query's own block exact, 8 sinks exact)."""
+def hf_scorer(smollm2_dir, tiny_artifact, austen_ids):
+    """name -> the text (emma_text) scored in plain transformers (float32) through a reference configuration
+    (benchmarks.quality's names: "bf16", a format, "fmt@window16", ...) under the serving semantics (its "causal"
+    protocol: earlier blocks decoded, a query's own block exact, 8 sinks exact); mean NLL after the first 8
+    tokens, memoized."""
     from benchmarks.quality import Simulator, token_nlls
     from vllm_temporalkv.artifact import Artifact
     from vllm_temporalkv.models import load_hf_model
@@ -128,13 +134,27 @@ def hf_nll(smollm2_dir, tiny_artifact, austen_ids):
     model = load_hf_model(smollm2_dir, dtype=torch.float32)
     art = Artifact.load(tiny_artifact)
     x = torch.tensor(emma_text(ids))
-    out = {name: float(token_nlls(model, x, Simulator(name, art, None, "causal"))[7:].mean())
+    memo = {}
+
+    def nll(name: str) -> float:
+        if name not in memo:
+            memo[name] = float(token_nlls(model, x, Simulator(name, art, None, "causal"))[7:].mean())
+        return memo[name]
+
+    nll.model, nll.ids = model, x
+    return nll
+
+
+@pytest.fixture(scope="module")
+def hf_nll(hf_scorer):
+    """The reference scorings the tests compare servers with, and the uncompressed model's top-1 predictions."""
+    out = {name: hf_scorer(name)
            for name in ("bf16", "temporalkv-2bit", "temporalkv-4bit", "selective-int4@window16", "tada-2bit@window16",
                          "qjl@window16", "temporalkv-2bit-mixed", "temporalkv-k4v2", "temporalkv-2bit@values-only",
                          "temporalkv-4bit@keys-only")}
-    model.set_attn_implementation("eager")
+    hf_scorer.model.set_attn_implementation("eager")
     with torch.no_grad():
-        out["bf16_top1"] = model(x[None]).logits[0, :-1].argmax(-1)  # predictions for tokens 1..T-1
+        out["bf16_top1"] = hf_scorer.model(hf_scorer.ids[None]).logits[0, :-1].argmax(-1)  # tokens 1..T-1
     return out
 
 
@@ -167,10 +187,10 @@ def test_completion_and_chat(server_2bit, austen_ids):
 def test_concurrent_equals_sequential_with_prefix_caching_and_chunking(server_2bit, austen_ids):
     """Requests of different lengths sharing a 1100-token prefix (a full 1024-token page is cached
     and hit), prefilled in 256-token chunks: sent concurrently they give the outputs they give one at
-    a time.  Not bit for bit: vLLM's own bf16 GEMMs on the CPU round differently for other batch
-    shapes on some CPUs (seen on AMD EPYC: |d logprob| up to 0.03, same tokens); our attention is
-    shape-independent (test_paged_reference).  A page read wrongly under prefix caching or chunking
-    changes logprobs by far more than this tolerance."""
+    a time.  Not bit for bit: vLLM's own GEMMs on the CPU round differently for other batch shapes (float32:
+    ~1e-6 relative, benchmarks/batch_variance.py; the server is float32 for this reason, see server_2bit), and
+    2-bit codes can turn that into a near-tie flipping late; our attention is shape-independent
+    (test_paged_reference).  A page read wrongly under prefix caching or chunking changes logprobs by nats."""
     tok, ids = austen_ids
     prefix = ids[10_000:11_100]
     prompts = [prefix + ids[20_000 + 1000 * i: 20_000 + 1000 * i + n] for i, n in enumerate((40, 130, 260, 700))]
@@ -185,6 +205,8 @@ def test_concurrent_equals_sequential_with_prefix_caching_and_chunking(server_2b
     with cf.ThreadPoolExecutor(len(prompts)) as ex:
         concurrent = list(ex.map(ask, prompts))
     same_text = 0
+    print("\nfirst-token |d logprob|, same text:", [(f"{abs(ls[0] - lc[0]):.1e}", ts == tc) for (ts, ls), (tc, lc)
+                                                     in zip(sequential, concurrent)])
     for (ts, ls), (tc, lc) in zip(sequential, concurrent):
         same_text += ts == tc
         # compare the logprobs of the tokens both chose: up to the first divergence (a near-tie)
@@ -223,9 +245,9 @@ def test_server_scores_like_reference_codecs(server_2bit, server_4bit, austen_id
     print(f"\nnll server 4-bit {nll4:.4f} 2-bit {nll2:.4f}; reference {hf_nll}; top-1 agreement with "
           f"bf16: 4-bit {agree4:.3f} 2-bit {agree2:.3f}")
     for fmt, v in (("temporalkv-4bit", nll4), ("temporalkv-2bit", nll2)):
-        # bf16 serving vs the float32 reference: far below the compression effect being measured
-        # (+0.07 nats at 4 bits, +0.24 at 2); the bf16 GEMMs' rounding differs by CPU (0.0105 seen on
-        # AMD EPYC, < 0.005 on others)
+        # serving (4-bit: a bf16 model, 2-bit: float32) vs the float32 reference: far below the compression
+        # effect being measured (+0.07 nats at 4 bits, +0.24 at 2); the bf16 GEMMs' rounding differs by CPU
+        # (0.0105 seen on AMD EPYC, < 0.005 on others; this bound held on an Intel AMX Xeon too, issue 36)
         assert abs(v - hf_nll[fmt]) < 0.02, (fmt, v, hf_nll[fmt])
     assert hf_nll["bf16"] < nll4 < nll2
     assert math.exp(nll4 - hf_nll["bf16"]) < 1.15
@@ -233,12 +255,12 @@ def test_server_scores_like_reference_codecs(server_2bit, server_4bit, austen_id
     assert agree4 >= 0.75 and agree4 > agree2
 
 
-def test_calibration_free_format_serves_as_its_codec(server_free, austen_ids, hf_nll, smollm2_dir):
-    """selective-int4, tada-2bit and qjl: served without any artifact; the server's scoring of 1500 tokens matches
-    the codec under the serving semantics (the recent window exact, older blocks compressed; a server without the
-    window or without compression misses by > 0.02 nats), greedy text is sensible, and vLLM's KV capacity is what
-    the page layout says (TaDA's: with each head's share of the per-token head mean; QJL's: each layer's own page
-    size)."""
+def test_calibration_free_format_serves_as_its_codec(server_free, austen_ids, hf_nll, hf_scorer, smollm2_dir):
+    """selective-int4, tada-2bit and qjl: served without any artifact; the server's scoring of 1500 tokens is that
+    of the codec under the serving semantics (the recent window of 16 exact, older blocks compressed) and not that
+    of the likely wrong semantics (no window, the format's default window, no compression), greedy text is
+    sensible, and vLLM's KV capacity is what the page layout says (TaDA's: with each head's share of the per-token
+    head mean; QJL's: each layer's own page size)."""
     from transformers import AutoConfig
 
     from vllm_temporalkv.formats import get_format
@@ -251,16 +273,28 @@ def test_calibration_free_format_serves_as_its_codec(server_free, austen_ids, hf
     _, ids = austen_ids
     nll, _ = score(server_free, emma_text(ids))
     ref = hf_nll[f"{fmt}@window16"]
-    print(f"\n{fmt}, window 16: server {nll:.4f}, codec {ref:.4f}, bf16 {hf_nll['bf16']:.4f}")
-    # the server encodes keys un-RoPE'd in float32 from their stored bf16 post-RoPE values, the codec bf16 pre-RoPE
-    # keys: 2-bit deviation codes amplify that rounding (tada-2bit: 0.008 seen; selective-int4: 0.003)
-    assert abs(nll - ref) < 0.015
-    assert nll > hf_nll["bf16"] + 0.03  # compression in effect (a server without the window: > 0.02 off the codec)
+    # the alternatives a wrong server would match, scored the same way in this run
+    alts = {"no window": hf_scorer(f"{fmt}@window0"), f"default window {get_format(fmt).window}": hf_scorer(fmt),
+            "uncompressed": hf_nll["bf16"]}
+    print(f"\n{fmt}, window 16: server {nll:.4f}, codec {ref:.4f}; " + ", ".join(f"{k} {v:.4f}" for k, v in alts.items()))
+    # The server (vLLM's float32 model) and the codec (transformers' float32 model) differ in their activations'
+    # last bits, and these formats amplify that: one to eight float32 ulps of noise on every K/V moved the codec's
+    # own NLL by 0.0004 / 0.007 here (qjl; benchmarks/amplification.py's measurement), and the server sat 0.0045
+    # from the codec on an AMD EPYC, 0.020 on an Intel AMX Xeon (issue 36), where a fixed 0.015 failed.  So the
+    # bound is not a fixed number but the separation this run measures: the server is nearer the served semantics
+    # than half the distance to the nearest wrong one (selective-int4: 0.029 from its default window 128, qjl: 0.14,
+    # both measured on the EPYC), i.e. it is classified as this codec and not as any alternative.
+    margin = min(abs(ref - v) for v in alts.values()) / 2
+    assert abs(nll - ref) < margin, (nll, ref, alts)
+    # compression in effect, directly: vLLM sized its pages by the compressed record (below) and the log names the
+    # path that writes codes into them
     cfg = AutoConfig.from_pretrained(smollm2_dir)
     record = sum(PageLayout(get_format(fmt), 64, 1024, window=16, num_kv_heads=cfg.num_key_value_heads, layer=i).bytes
                  for i in range(cfg.num_hidden_layers))  # a page of every layer
     pages = 2**30 // (cfg.num_key_value_heads * record)
     assert server_free.kv_capacity_tokens() == pages * 1024
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert record < 0.7 * cfg.num_hidden_layers * 2 * head_dim * 2 * 1024  # pages well below bf16 K+V's
     log = server_free.log()
     assert "no calibration needed (recent window 16 tokens)" in log
     assert f"{fmt}: attention and cache update on the torch" in log

@@ -15,21 +15,10 @@ Both apply to every --kv-cache-dtype alike (the benchmarks compare formats under
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+
+from ..cpu_isa import cpu_flags
 
 SMALL_MACHINE_CPUS = 2
-
-
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def native_bf16() -> bool:
