@@ -186,9 +186,11 @@ def mutations(good: bytes, tensors: dict, meta: dict, rng: random.Random, n: int
 # ---- the check ------------------------------------------------------------------------------------
 def _same(a, b, fmt: str) -> bool:
     """Whether two artifacts give a server the same quantizers for fmt."""
+    from vllm_temporalkv.cache import model_quantizers
+
     if a.fingerprint != b.fingerprint or a.layer_methods.get(fmt) != b.layer_methods.get(fmt):
         return False
-    for (qa_k, qa_v), (qb_k, qb_v) in zip(a.quantizers(fmt), b.quantizers(fmt)):
+    for (qa_k, qa_v), (qb_k, qb_v) in zip(model_quantizers(fmt, a), model_quantizers(fmt, b)):
         for x, y in ((qa_k, qb_k), (qa_v, qb_v)):
             if not torch.equal(x.codec.centroids, y.codec.centroids):
                 return False
@@ -201,11 +203,12 @@ def _same(a, b, fmt: str) -> bool:
 def classify(path: Path, expect: dict, fmt: str, good) -> tuple[str, str]:
     """(outcome, message) for one file, opened as a server opens it (see the module docstring)."""
     from vllm_temporalkv.artifact import Artifact, ArtifactError
+    from vllm_temporalkv.cache import model_quantizers
 
     try:
         art = Artifact.load(path, expect=expect, formats=[fmt])
         for outliers in (False, True):
-            art.quantizers(fmt, outliers=outliers)
+            model_quantizers(fmt, art, outliers=outliers)
     except ArtifactError as e:
         msg = str(e)
         clean = str(path) in msg and "calibrate" in msg

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from vllm_temporalkv.artifact import Artifact, model_fingerprint
+from vllm_temporalkv.cache import model_quantizers
 
 from .common import RESULTS, merge_headline, run_record, write_json
 
@@ -42,7 +43,7 @@ FORMATS = ("temporalkv-2bit", "temporalkv-1bit")
 
 def fisher_objective(art: Artifact, fmt: str, acts, grads) -> dict:
     """Diagonal-Fisher loss proxy and normalized MSE of one artifact's format on collected K/V."""
-    qs = art.quantizers(fmt)
+    qs = model_quantizers(fmt, art)
     tokens = acts[0]["k"].shape[0]
     per_layer = {kv: [] for kv in "kv"}
     mse = {kv: [] for kv in "kv"}
@@ -66,7 +67,7 @@ def fisher_objective(art: Artifact, fmt: str, acts, grads) -> dict:
 
 def weight_concentration(art: Artifact, fmt: str, acts, grads) -> dict:
     """Effective sample size and top-1% weight share of the per-vector Fisher weights, per layer."""
-    qs = art.quantizers(fmt)
+    qs = model_quantizers(fmt, art)
     out = {kv: {"ess_fraction": [], "top1pct_share": []} for kv in "kv"}
     for layer, pair in enumerate(qs):
         for q, kv in zip(pair, "kv"):

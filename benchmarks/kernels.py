@@ -234,16 +234,18 @@ def fill_pages(lc, B: int, L: int, H: int, D: int, device):
     """Pages of B requests x L tokens, as a served cache would hold them: random code bytes (every
     byte is a valid code of every format), finite random half values in the sinks/tail region,
     distinct in-range outlier positions; pages scattered by a random block table."""
+    from vllm_temporalkv.page_views import outlier_views, region_view
+
     lay = lc.layout
     per = -(-L // lay.block_size)
     n = B * per
     pages = torch.randint(0, 256, (n, H, lay.bytes), dtype=torch.uint8, device=device)
-    region = lay.region_view(pages, lc.store_dtype)
+    region = region_view(lay, pages, lc.store_dtype)
     region.copy_(torch.randn(region.shape, dtype=lc.dtype, device=device))
     if lay.outliers:
         stride = BLOCK * D // lay.cap  # distinct positions per block (real encodes never repeat one)
         for kind in "kv":
-            idx, val = lay.outlier_views(pages, kind, lc.store_dtype)
+            idx, val = outlier_views(lay, pages, kind, lc.store_dtype)
             start = torch.randint(0, stride, idx.shape[:-1] + (1,), device=device)
             idx.copy_((start + torch.arange(lay.cap, device=device) * stride).to(torch.int16))
             val.copy_(torch.randn(val.shape, dtype=lc.dtype, device=device) * 4)

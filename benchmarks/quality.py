@@ -35,6 +35,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_temporalkv.artifact import Artifact, default_artifact_path
+from vllm_temporalkv.cache import model_quantizers
 from vllm_temporalkv.codecs import calibration_free_quantizers
 from vllm_temporalkv.formats import FORMATS, get_format
 from vllm_temporalkv.hf_hooks import kv_output_hooks
@@ -147,7 +148,7 @@ class Simulator:
             methods = None
             if "pure-temporal" in parts:
                 methods = {kv: ["temporal"] * art.num_layers for kv in "kv"}
-            self.qs = src.quantizers(fmt, outliers=outliers, layer_methods=methods)
+            self.qs = model_quantizers(fmt, src, outliers=outliers, methods=methods)
 
     def bind(self, hf_config) -> None:
         """The model's facts a per-layer format needs (token_nlls calls it): QJL's quantizers per layer."""

@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "vllm_temporalkv"
@@ -36,6 +37,122 @@ def _room(room: str) -> dict[Path, set[str]]:
     target = PKG / room
     files = sorted(target.rglob("*.py")) if target.is_dir() else [target.with_suffix(".py")]
     return {f: _imports(f) for f in files}
+
+
+def _modules() -> dict[str, Path]:
+    return {".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): f for f in PKG.rglob("*.py")}
+
+
+def _graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports (anywhere in the file: a lazy import is still a dependency), and
+    the top-level names of the outside packages it imports.  ``from . import x`` of a submodule depends on x, not
+    on the package's __init__."""
+    mods = _modules()
+    graph = {}
+    for name, f in mods.items():
+        pkg = name if f.name == "__init__.py" else name.rsplit(".", 1)[0]
+        out = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    mod = node.module
+                subs = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in mods]
+                targets = subs if len(subs) == len(node.names) else [mod] + subs
+            else:
+                continue
+            for t in targets:
+                parts = t.split(".")
+                known = next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in mods),
+                             None)
+                if known is None:
+                    out.add(parts[0])  # an outside package
+                elif known != name:
+                    out.add(known)
+        graph[name] = out
+    return graph
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for d in graph.get(todo.pop(), ()):
+            if d not in seen:
+                seen.add(d)
+                todo.append(d)
+    return seen
+
+
+def test_no_import_cycles_in_the_package():
+    """No module of the package reaches itself through its imports (lazy ones included: a function-level import
+    that closes a circle only hides it)."""
+    graph = _graph()
+    cycles = sorted(m for m in graph if m in _reach(graph, m))
+    assert not cycles, "modules on an import circle: " + ", ".join(cycles)
+
+
+@pytest.mark.parametrize("module", ["vllm_temporalkv.methods", "vllm_temporalkv.formats", "vllm_temporalkv.layout"])
+def test_the_arithmetic_reaches_no_torch(module):
+    """The methods, the registry of formats and the page arithmetic are pure arithmetic, transitively (formats must
+    not reach torch through layout, nor layout through anything)."""
+    reach = _reach(_graph(), module)
+    assert not reach & {"torch", "vllm", "triton", "numpy"}, sorted(reach)
+
+
+def _calls_of(name: str, files) -> list[str]:
+    out = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call):
+                fn = node.func
+                called = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else None
+                if called == name:
+                    out.append(f"{f.relative_to(ROOT)}:{node.lineno}")
+    return out
+
+
+def test_layer_caches_are_built_only_by_their_factory():
+    """``LayerCache(...)`` is called only inside cache.py (``LayerCache.build`` and ``replace``): the backend, the
+    benchmarks and the tests all build a layer's cache the one way."""
+    files = [f for d in ("vllm_temporalkv", "benchmarks", "tests") for f in (ROOT / d).rglob("*.py")]
+    assert _calls_of("LayerCache", [f for f in files if f != PKG / "cache.py"]) == []
+
+
+def test_ops_do_not_probe_quantizers():
+    """What a kernel may ask of a quantizer is declared (codecs.quantizer.Quantizer): no getattr probes in ops/."""
+    probes = []
+    for f in (PKG / "ops").rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                    and node.args[1].value in ("post_rope", "packs_blocks", "code_layout", "outliers", "codec",
+                                               "kernel_variant", "stats")):
+                probes.append(f"{f.relative_to(ROOT)}:{node.lineno} {node.args[1].value}")
+    assert not probes, probes
+
+
+def test_every_served_quantizer_declares_the_protocol(tiny_artifact):
+    """Every format's quantizers, as a layer cache is built for serving, implement ``Quantizer``."""
+    from vllm_temporalkv.artifact import Artifact
+    from vllm_temporalkv.cache import LayerCache
+    from vllm_temporalkv.codecs.quantizer import Quantizer
+    from vllm_temporalkv.formats import FORMATS
+
+    art = Artifact.load(tiny_artifact)
+    D, H = art.fingerprint["head_dim"], art.fingerprint["num_kv_heads"]
+    for name, f in FORMATS.items():
+        if f.needs_calibration and not set(f.calibrated_formats) <= set(art.formats):
+            continue
+        lc = LayerCache.build(name, 0, head_dim=D, block_size=1024, dtype=torch.bfloat16, rope=None, num_kv_heads=H,
+                              artifact=art)
+        for q in (lc.k, lc.v):
+            assert isinstance(q, Quantizer), (name, type(q))
+            assert isinstance(q.post_rope, bool) and isinstance(q.packs_blocks, bool), name
+        assert (lc.kernel_blocker is None) == f.needs_calibration, (name, lc.kernel_blocker)
 
 
 FORBIDDEN = {
@@ -107,12 +224,12 @@ def test_serving_needs_no_calibration_or_benchmark_packages(tiny_artifact):
         art = Artifact.load({str(tiny_artifact)!r})
         fmt = get_format("temporalkv-2bit")
         H, D = art.fingerprint["num_kv_heads"], art.fingerprint["head_dim"]
-        kq, vq = art.layer_quantizers(fmt.name, 0)
         class Cfg:
             num_attention_heads, hidden_size, head_dim, rope_theta = 9, 576, 64, 100000.0
+        from vllm_temporalkv.cache import LayerCache
         from vllm_temporalkv.rope import Rope
-        lay = PageLayout(fmt, D, 32)
-        lc = paged_torch.LayerCache(fmt, lay, kq, vq, Rope(Cfg()), torch.bfloat16)
+        lc = LayerCache.build(fmt, 0, head_dim=D, block_size=32, dtype=torch.bfloat16, rope=Rope(Cfg()), artifact=art)
+        lay = lc.layout
         pages = torch.zeros(2, H, lay.bytes, dtype=torch.uint8)
         n = 40
         k, v = torch.randn(n, H, D).bfloat16(), torch.randn(n, H, D).bfloat16()

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from benchmarks.artifact_fuzz import load_all
+from vllm_temporalkv.cache import layer_quantizers, model_quantizers
 from vllm_temporalkv.calibration import codebook_keys
 from vllm_temporalkv.artifact import (DIGEST_KEY, SCHEMA_VERSION, Artifact, ArtifactError, content_digest,
                                       model_fingerprint)
@@ -59,7 +60,7 @@ def test_round_trip(saved):
     for k, s in art.stats.items():
         assert torch.equal(back.stats[k].std, s.std)
     # the hybrid choice reaches the quantizers: layer 0 K is channel-chunked
-    qs = back.quantizers("temporalkv-2bit")
+    qs = model_quantizers("temporalkv-2bit", back)
     assert [q[0].codec.method for q in qs] == ["channel", "temporal"]
     assert back.centroid_bytes("temporalkv-2bit") == back.centroid_bytes("channelkv-1bit")
 
@@ -213,13 +214,13 @@ def test_fingerprint_of_smollm2_like_config():
 def test_quantizers_of_some_heads(saved):
     """A tensor-parallel rank's KV heads get their own codebooks and statistics, not the first ones."""
     art, _ = saved
-    full_k, _ = art.layer_quantizers("temporalkv-2bit", 1)
-    k1, v1 = art.layer_quantizers("temporalkv-2bit", 1, heads=[1])
+    full_k, _ = layer_quantizers("temporalkv-2bit", 1, artifact=art)
+    k1, v1 = layer_quantizers("temporalkv-2bit", 1, artifact=art, heads=[1])
     assert torch.equal(k1.codec.centroids[0], full_k.codec.centroids[1])
     assert torch.equal(k1.stats.std[0], full_k.stats.std[1]) and k1.stats.mean.shape[0] == 1
     assert v1.codec.centroids.shape[0] == 1
     with pytest.raises(ArtifactError, match="has 2 KV heads"):
-        art.layer_quantizers("temporalkv-2bit", 1, heads=[2])
+        layer_quantizers("temporalkv-2bit", 1, artifact=art, heads=[2])
 
 
 @pytest.mark.parametrize("total,local,tp,rank,want", [

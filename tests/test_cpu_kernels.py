@@ -17,7 +17,7 @@ import torch
 from tests.test_artifact import synthetic_artifact
 from vllm_temporalkv.codecs import base as codec_base
 from vllm_temporalkv.formats import get_format
-from vllm_temporalkv.layout import PageLayout
+from vllm_temporalkv.cache import LayerCache
 from vllm_temporalkv.ops import cpu, paged_torch
 from vllm_temporalkv.rope import Rope
 
@@ -33,10 +33,9 @@ def make_cache(fmt, D, outliers, dtype, layer, H=2, GQ=3, block_size=16):
            "num_key_value_heads": H, "hidden_size": H * GQ * D, "vocab_size": 100,
            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
     art = synthetic_artifact(cfg, formats=get_format(fmt).calibrated_formats)  # a K/V pair: its parts
-    kq, vq = art.quantizers(fmt, outliers=outliers)[layer]
     rope = Rope(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
-    lay = PageLayout(get_format(fmt), D, block_size, outliers)
-    return paged_torch.LayerCache(get_format(fmt), lay, kq, vq, rope, dtype)
+    return LayerCache.build(fmt, layer, head_dim=D, block_size=block_size, dtype=dtype, rope=rope, artifact=art,
+                            outliers=outliers)
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import math
 import pytest
 
 import benchmarks.fisher as fb
+from vllm_temporalkv.cache import model_quantizers
 from vllm_temporalkv.calibration import run_calibration
 from vllm_temporalkv.calibration.collect import collect_kv_grads
 from tests.conftest import TINY_FORMATS
@@ -30,7 +31,7 @@ def test_objective_is_the_fisher_weighted_error_of_the_served_quantizer(tiny_art
     obj = fb.fisher_objective(art, "temporalkv-2bit", acts, grads)
     # independently, in raw space through the full quantizer: 1/2 sum g^2 (x - roundtrip(x))^2
     layer = 7
-    q = art.quantizers("temporalkv-2bit")[layer][1]
+    q = model_quantizers("temporalkv-2bit", art)[layer][1]
     x, g = acts[layer]["v"], grads[layer]["v"]
     want = float(0.5 * (g**2 * (x - q.roundtrip(x)) ** 2).sum()) / x.shape[0]
     assert obj["per_layer"]["v"][layer] == pytest.approx(want, rel=1e-3)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.test_artifact import CFG, synthetic_artifact
+from vllm_temporalkv.cache import layer_quantizers
 from vllm_temporalkv.artifact import Artifact, ArtifactError, model_fingerprint
 from vllm_temporalkv.formats import FORMATS, FormatError, calibrated_formats, check_head_dim, get_format
 from vllm_temporalkv.layout import PageLayout, bits_per_float
@@ -46,8 +47,8 @@ def test_pair_quantizers_come_from_the_parts(tmp_path):
     path = art.save(tmp_path / "a.safetensors")
     back = Artifact.load(path, expect=model_fingerprint(CFG), formats=[PAIR])
     for layer in range(back.num_layers):
-        kq, vq = back.layer_quantizers(PAIR, layer)
-        want_k, want_v = back.layer_quantizers(K, layer)[0], back.layer_quantizers(V, layer)[1]
+        kq, vq = layer_quantizers(PAIR, layer, artifact=back)
+        want_k, want_v = layer_quantizers(K, layer, artifact=back)[0], layer_quantizers(V, layer, artifact=back)[1]
         for got, want in ((kq, want_k), (vq, want_v)):
             assert got.codec.method == want.codec.method and got.codec.chunk == want.codec.chunk
             assert torch.equal(got.codec.centroids, want.codec.centroids)
@@ -58,4 +59,4 @@ def test_pair_quantizers_come_from_the_parts(tmp_path):
     with pytest.raises(ArtifactError, match=f"no codebooks for {V} \\(a part of {PAIR}\\).*--formats {PAIR}"):
         Artifact.load(only_k, formats=[PAIR])
     with pytest.raises(ArtifactError, match=f"no codebooks for {V} \\(needed by {PAIR}\\).*--formats {V}"):
-        Artifact.load(only_k).layer_quantizers(PAIR, 0)
+        layer_quantizers(PAIR, 0, artifact=Artifact.load(only_k))

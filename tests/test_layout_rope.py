@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from vllm_temporalkv.formats import FORMATS, get_format
-from vllm_temporalkv.layout import PageLayout, bits_per_float, pack_block_codes, unpack_block_codes
+from vllm_temporalkv.layout import PageLayout, bits_per_float
+from vllm_temporalkv.page_views import (codes_view, outlier_views, pack_block_codes, region_view, scales_view,
+                                        unpack_block_codes)
 from vllm_temporalkv.rope import Rope
 
 
@@ -39,24 +41,24 @@ def test_pack_roundtrip_and_page_bytes(name):
 def test_views_do_not_overlap():
     lay = PageLayout(get_format("temporalkv-2bit"), 64, 128, outliers=True)
     pages = torch.zeros(2, 3, lay.bytes, dtype=torch.uint8)
-    lay.region_view(pages, torch.bfloat16).fill_(1.0)
-    lay.codes_view(pages, "k").fill_(2)
-    lay.codes_view(pages, "v").fill_(3)
+    region_view(lay, pages, torch.bfloat16).fill_(1.0)
+    codes_view(lay, pages, "k").fill_(2)
+    codes_view(lay, pages, "v").fill_(3)
     for kind, (a, b) in (("k", (4, 5.0)), ("v", (6, 7.0))):
-        i, v = lay.outlier_views(pages, kind, torch.bfloat16)
+        i, v = outlier_views(lay, pages, kind, torch.bfloat16)
         i.fill_(a)
         v.fill_(b)
-    assert (lay.region_view(pages, torch.bfloat16) == 1.0).all()
-    assert (lay.codes_view(pages, "k") == 2).all() and (lay.codes_view(pages, "v") == 3).all()
-    assert (lay.outlier_views(pages, "k", torch.bfloat16)[0] == 4).all()
+    assert (region_view(lay, pages, torch.bfloat16) == 1.0).all()
+    assert (codes_view(lay, pages, "k") == 2).all() and (codes_view(lay, pages, "v") == 3).all()
+    assert (outlier_views(lay, pages, "k", torch.bfloat16)[0] == 4).all()
     sel = PageLayout(get_format("selective-int4"), 64, 256)  # window ring, codes, scales
     pages = torch.zeros(2, 3, sel.bytes, dtype=torch.uint8)
-    sel.region_view(pages, torch.bfloat16).fill_(1.0)
+    region_view(sel, pages, torch.bfloat16).fill_(1.0)
     for kind, c, f in (("k", 2, 3.0), ("v", 4, 5.0)):
-        sel.codes_view(pages, kind).fill_(c)
-        sel.scales_view(pages, kind).fill_(f)
-    assert (sel.region_view(pages, torch.bfloat16) == 1.0).all() and (sel.codes_view(pages, "k") == 2).all()
-    assert (sel.scales_view(pages, "k") == 3.0).all() and (sel.scales_view(pages, "v") == 5.0).all()
+        codes_view(sel, pages, kind).fill_(c)
+        scales_view(sel, pages, kind).fill_(f)
+    assert (region_view(sel, pages, torch.bfloat16) == 1.0).all() and (codes_view(sel, pages, "k") == 2).all()
+    assert (scales_view(sel, pages, "k") == 3.0).all() and (scales_view(sel, pages, "v") == 5.0).all()
     assert sel.v_scales + sel.blocks * sel.scale_bytes <= sel.bytes
 
 
@@ -88,7 +90,7 @@ def test_rope_matches_transformers(rope):
 def test_kernel_variant_follows_the_geometry():
     """The C++ and Triton kernels pick their code path from a CodeLayout's geometry, not from a method's name:
     a new method laid out like an existing one runs on the same kernels; scaled integer codes run on none."""
-    from vllm_temporalkv.layout import CodeLayout
+    from vllm_temporalkv.methods import CodeLayout
 
     assert CodeLayout("new-token-vq", 4, 1, 4, 256).kernel_variant == get_format("temporalkv-2bit").code_layout.kernel_variant
     assert CodeLayout("new-channel-vq", 1, 2, 2, 256).kernel_variant == get_format("channelkv-4bit").code_layout.kernel_variant

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.test_artifact import CFG, synthetic_artifact
+from vllm_temporalkv.cache import layer_quantizers
 from vllm_temporalkv.artifact import Artifact, ArtifactError
 from vllm_temporalkv.formats import get_format
 from vllm_temporalkv.layout import PageLayout, bits_per_float
@@ -55,8 +56,8 @@ def test_mixed_quantizers_pages_and_bits(tmp_path):
     assert parts == art.layer_formats(MIX)
     D = back.fingerprint["head_dim"]
     for layer, p in enumerate(parts):
-        kq, vq = back.layer_quantizers(MIX, layer)
-        want = back.layer_quantizers(p, layer)
+        kq, vq = layer_quantizers(MIX, layer, artifact=back)
+        want = layer_quantizers(p, layer, artifact=back)
         assert kq.codec.chunk == get_format(p).chunk and torch.equal(kq.codec.centroids, want[0].codec.centroids)
         assert type(vq.codec) is type(want[1].codec)
     assert back.centroid_bytes(MIX) == sum(back.centroid_bytes(p) for p in PARTS) // 3  # same size per family

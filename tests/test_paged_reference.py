@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from tests.test_artifact import CFG, synthetic_artifact
-from vllm_temporalkv.formats import BLOCK_TOKENS, SINK_TOKENS, get_format
-from vllm_temporalkv.ops.paged_torch import LayerCache, gather_kv, paged_attention, write_kv
-from vllm_temporalkv.layout import PageLayout
+from vllm_temporalkv.formats import BLOCK_TOKENS, SINK_TOKENS
+from vllm_temporalkv.cache import LayerCache
+from vllm_temporalkv.ops.paged_torch import gather_kv, paged_attention, write_kv
 from vllm_temporalkv.rope import Rope
 
 FORMATS = ["temporalkv-2bit", "channelkv-1bit", "kvquant-2bit"]
@@ -17,10 +17,9 @@ def make_cache(fmt, layer, outliers, block_size=32, dtype=torch.bfloat16):
     from transformers import LlamaConfig
 
     art = synthetic_artifact(formats=FORMATS)
-    kq, vq = art.quantizers(fmt, outliers=outliers)[layer]
-    lay = PageLayout(get_format(fmt), art.fingerprint["head_dim"], block_size, outliers)
     rope = Rope(LlamaConfig(**{k: v for k, v in CFG.items() if k != "architectures"}))
-    return LayerCache(get_format(fmt), lay, kq, vq, rope, dtype)
+    return LayerCache.build(fmt, layer, head_dim=art.fingerprint["head_dim"], block_size=block_size, dtype=dtype,
+                            rope=rope, artifact=art, outliers=outliers)
 
 
 def expected_kv(lc, k, v, n):

@@ -16,8 +16,9 @@ from tests.test_artifact import CFG
 from tests.test_recent_window import stream_and_check
 from vllm_temporalkv.codecs import calibration_free_quantizers, qjl
 from vllm_temporalkv.formats import BLOCK_TOKENS, SINK_TOKENS, FormatError, check_head_dim, get_format
-from vllm_temporalkv.layout import PageLayout, bits_per_float, exact_from, qjl_key_block_bytes
-from vllm_temporalkv.ops.paged_torch import LayerCache
+from vllm_temporalkv.layout import PageLayout, bits_per_float, exact_from
+from vllm_temporalkv.methods import qjl_key_block_bytes
+from vllm_temporalkv.cache import LayerCache
 from vllm_temporalkv.rope import Rope
 
 H, D, BS = 2, 32, 32
@@ -28,10 +29,8 @@ def _rope():
 
 
 def make_cache(layer, window, dtype):
-    f = get_format("qjl")
-    rope = _rope()
-    kq, vq = calibration_free_quantizers(f, head_dim=D, layer=layer, rope=rope)
-    return LayerCache(f, PageLayout(f, D, BS, window=window, num_kv_heads=H, layer=layer), kq, vq, rope, dtype)
+    return LayerCache.build("qjl", layer, head_dim=D, block_size=BS, dtype=dtype, rope=_rope(), num_kv_heads=H,
+                            window=window)
 
 
 def test_key_bytes_are_the_papers_sketch():
@@ -120,5 +119,5 @@ def test_fake_quant_is_the_served_cache_rotated_back():
     pos = torch.arange(n)
     got = lc.rope.apply(lc.k.fake_quant(pre, window=16), pos)
     post = lc.rope.apply(pre, pos).bfloat16()
-    want, _ = _reference_kv(LayerCache(lc.fmt, lc.layout, lc.k, lc.v, lc.rope, torch.float32), post, post, n)
+    want, _ = _reference_kv(lc.replace(dtype=torch.float32), post, post, n)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

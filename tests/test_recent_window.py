@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from tests.test_artifact import CFG, synthetic_artifact
-from vllm_temporalkv.codecs import calibration_free_quantizers
+from vllm_temporalkv.cache import LayerCache
 from vllm_temporalkv.formats import BLOCK_TOKENS, SINK_TOKENS, FormatError, get_format
 from vllm_temporalkv.layout import PageLayout, exact_from
 from vllm_temporalkv.ops import paged_torch
-from vllm_temporalkv.ops.paged_torch import (LayerCache, _attend, _attend_fast, forward, gather_kv, write_kv,
+from vllm_temporalkv.ops.paged_torch import (_attend, _attend_fast, forward, gather_kv, write_kv,
                                              write_kv_window)
 from vllm_temporalkv.rope import Rope
 
@@ -21,14 +21,10 @@ H, D, BS = 2, 16, 32
 def make_cache(fmt, window, dtype=torch.bfloat16, layer=1):
     from transformers import LlamaConfig
 
-    f = get_format(fmt)
-    if f.needs_calibration:
-        kq, vq = synthetic_artifact(formats=[fmt]).quantizers(fmt)[layer]
-    else:
-        kq, vq = calibration_free_quantizers(f)
-    lay = PageLayout(f, D, BS, window=window, num_kv_heads=H)
+    art = synthetic_artifact(formats=[fmt]) if get_format(fmt).needs_calibration else None
     rope = Rope(LlamaConfig(**{k: v for k, v in CFG.items() if k != "architectures"}))
-    return LayerCache(f, lay, kq, vq, rope, dtype)
+    return LayerCache.build(fmt, layer, head_dim=D, block_size=BS, dtype=dtype, rope=rope, num_kv_heads=H,
+                            artifact=art, window=window)
 
 
 def reference_kv(lc, k, v, n):

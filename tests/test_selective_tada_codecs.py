@@ -135,7 +135,7 @@ def test_served_selective_codes_are_the_codec(bits):
     """What the pages hold (unsigned codes of ``bits`` bits + fp16 scales, SelectiveQuantizer) decodes to exactly
     the paper's quantize-dequantize (SelectiveCodec), through the page's code packing."""
     from vllm_temporalkv.codecs.selective import SelectiveQuantizer
-    from vllm_temporalkv.layout import pack_block_codes, unpack_block_codes
+    from vllm_temporalkv.page_views import pack_block_codes, unpack_block_codes
 
     g = torch.Generator().manual_seed(bits)
     x = (torch.randn(24, 3, 64, generator=g) * 3).bfloat16()
@@ -233,7 +233,7 @@ def test_served_tada_is_the_transcription(bits, dtype):
     token and head, the head mean split across the heads' records) decodes to the transcription of the paper's
     equations - with the mean in the cache's stored half dtype (bfloat16 for a float32 model)."""
     from vllm_temporalkv.codecs.tada import TadaQuantizer
-    from vllm_temporalkv.layout import join_head_mean, pack_block_codes, split_head_mean, unpack_block_codes
+    from vllm_temporalkv.page_views import join_head_mean, pack_block_codes, split_head_mean, unpack_block_codes
 
     H, D = 3, 64
     x = dyadic(T=16, H=H, D=D, seed=bits, dtype=dtype)

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_temporalkv.vllm.plugin import TemporalKVConfigError, serving_options  # noqa: E402
+from vllm_temporalkv.vllm.options import TemporalKVConfigError, serving_options  # noqa: E402
 
 
 def cfg(tmp_path, fmt="temporalkv-2bit", **extra):

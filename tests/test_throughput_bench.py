@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks.common import HEADLINE
 from benchmarks.throughput import max_model_len, parse_shape
+from vllm_temporalkv.cache import model_quantizers
 
 
 def test_parse_shape():
@@ -56,8 +57,8 @@ def test_synthetic_artifact_fits_a_dummy_weight_model(tmp_path):
     path = synthetic_artifact(str(tmp_path), ["auto", "temporalkv-2bit", "kvquant-2bit"], tmp_path / "s.safetensors")
     art = Artifact.load(path, expect=model_fingerprint(cfg), formats=["temporalkv-2bit", "kvquant-2bit"])
     assert set(art.formats) == {"temporalkv-2bit", "kvquant-2bit"}
-    assert [q[0].codec.method for q in art.quantizers("temporalkv-2bit")] == ["channel", "temporal", "temporal"]
-    assert [q[1].codec.method for q in art.quantizers("temporalkv-2bit")] == ["temporal"] * 3
+    assert [q[0].codec.method for q in model_quantizers("temporalkv-2bit", art)] == ["channel", "temporal", "temporal"]
+    assert [q[1].codec.method for q in model_quantizers("temporalkv-2bit", art)] == ["temporal"] * 3
     other = dict(cfg, num_hidden_layers=4)
     with pytest.raises(ArtifactError, match="num_layers"):
         Artifact.load(path, expect=model_fingerprint(other), formats=["temporalkv-2bit"])

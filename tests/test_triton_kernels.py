@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 
 from tests.test_artifact import synthetic_artifact  # noqa: E402
 from vllm_temporalkv.formats import get_format  # noqa: E402
+from vllm_temporalkv.cache import LayerCache  # noqa: E402
 from vllm_temporalkv.ops import paged_torch as reference, triton_decode, triton_encode  # noqa: E402
 from vllm_temporalkv.layout import PageLayout  # noqa: E402
 from vllm_temporalkv.rope import Rope  # noqa: E402
@@ -33,10 +34,9 @@ def make_cache(fmt, D, outliers, dtype, layer, block_size=16):
            "num_key_value_heads": H, "hidden_size": H * GQ * D, "vocab_size": 100,
            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
     art = synthetic_artifact(cfg, formats=get_format(fmt).calibrated_formats)  # a K/V pair: its parts
-    kq, vq = art.quantizers(fmt, outliers=outliers, device=DEVICE)[layer]
     rope = Rope(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"}), DEVICE)
-    lay = PageLayout(get_format(fmt), D, block_size, outliers)
-    return reference.LayerCache(get_format(fmt), lay, kq, vq, rope, dtype)
+    return LayerCache.build(fmt, layer, head_dim=D, block_size=block_size, dtype=dtype, rope=rope, artifact=art,
+                            outliers=outliers, device=DEVICE)
 
 
 # (format, head_dim, outliers, dtype, layer): every method and chunk length, the hybrid, both
@@ -217,7 +217,7 @@ def test_triton_path_forward_serves_mixed_batches(monkeypatch):
     mod, name = select(lc, torch.device(DEVICE))
     assert mod is triton_path and name.startswith("Triton ("), name
     windowed = make_cache("temporalkv-2bit", 64, False, torch.bfloat16, 1)
-    windowed.layout = PageLayout(get_format("temporalkv-2bit"), 64, 32, window=8)
+    windowed = windowed.replace(layout=PageLayout(get_format("temporalkv-2bit"), 64, 32, window=8))
     mod, name = select(windowed, torch.device(DEVICE))
     assert mod is reference and "recent window" in name, name
 

@@ -18,8 +18,10 @@ import torch
 pytest.importorskip("vllm")
 
 from vllm_temporalkv.artifact import Artifact  # noqa: E402
+from vllm_temporalkv.cache import model_quantizers  # noqa: E402
 from vllm_temporalkv.formats import BLOCK_TOKENS, SINK_TOKENS, get_format  # noqa: E402
-from vllm_temporalkv.layout import TAIL_SLOT0, PageLayout, pack_block_codes  # noqa: E402
+from vllm_temporalkv.layout import TAIL_SLOT0, PageLayout  # noqa: E402
+from vllm_temporalkv.page_views import codes_view, pack_block_codes, region_view  # noqa: E402
 from vllm_temporalkv.rope import Rope  # noqa: E402
 
 FORMAT = "temporalkv-2bit"
@@ -39,7 +41,7 @@ def recorded(tmp_path_factory, smollm2_dir, tiny_artifact):
     rec = load_file(out)
     cfg = AutoConfig.from_pretrained(smollm2_dir)
     art = Artifact.load(tiny_artifact)
-    qs = art.quantizers(FORMAT)
+    qs = model_quantizers(FORMAT, art)
     layers = sorted({int(k.split("layers.")[1].split(".")[0]) for k in rec})
     assert layers == list(range(cfg.num_hidden_layers))
     return rec, cfg, qs
@@ -69,21 +71,15 @@ def test_codes_in_vllm_pages_equal_the_reference_codec(recorded):
         pos = torch.arange(SINK_TOKENS, full)
         k_pre = rope.invert(t["k"][SINK_TOKENS:full], pos).to(torch.bfloat16)
         for kind, q, x in (("k", kq, k_pre), ("v", vq, t["v"][SINK_TOKENS:full])):
-            want = pack_block_codes(q.codec.layout, q.encode(x).codes)
-            got = lay.codes_view(page[None], kind)[0, :, 1 : full // BLOCK_TOKENS].transpose(0, 1)
+            want = pack_block_codes(q.code_layout, q.encode(x).codes)
+            got = codes_view(lay, page[None], kind)[0, :, 1 : full // BLOCK_TOKENS].transpose(0, 1)
             assert torch.equal(got, want), f"layer {i} {kind}: {(got != want).sum()} code bytes differ"
             checked += want.numel()
         # sinks and the incomplete tail stay exact, in the page's half-precision region
-        region = lay.region_view(page[None], torch.bfloat16)[0]
+        region = region_view(lay, page[None], torch.bfloat16)[0]
         assert torch.equal(region[:, :SINK_TOKENS, 0].transpose(0, 1), t["k"][:SINK_TOKENS])
         assert torch.equal(region[:, TAIL_SLOT0 : TAIL_SLOT0 + T - full, 1].transpose(0, 1), t["v"][full:])
     assert checked > 0
-
-
-def _lc(fmt, lay, kq, vq):
-    from vllm_temporalkv.ops.paged_torch import LayerCache
-
-    return LayerCache(fmt, lay, kq, vq, None, torch.bfloat16)
 
 
 def test_attention_outputs_match_dense_attention_over_decoded_blocks(recorded):

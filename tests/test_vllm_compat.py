@@ -18,7 +18,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm_temporalkv.formats import get_format  # noqa: E402
 from vllm_temporalkv.layout import PageLayout  # noqa: E402
 from vllm_temporalkv.vllm import backend, compat  # noqa: E402
-from vllm_temporalkv.vllm.plugin import TemporalKVConfigError  # noqa: E402
+from vllm_temporalkv.vllm.options import TemporalKVConfigError  # noqa: E402
 
 
 def full_spec(block_size=1024, heads=3, head_size=64):

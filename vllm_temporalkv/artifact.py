@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 from .codecs import make_codec
-from .codecs.quantizer import ChannelStats, KVQuantizer
+from .codecs.quantizer import ChannelStats
 from .formats import KVFormat, get_format, parse_codebook_key
+from .mixed import MissingCosts, choose_layer_formats
 
 KIND = "vllm-temporalkv/calibration"
 SCHEMA_VERSION = 1
@@ -336,33 +337,22 @@ class Artifact:
 
     # ---- use -------------------------------------------------------------------------------------
     def layer_formats(self, format_name: str, fix: str | None = None) -> list[str]:
-        """Which format serves each layer: the format itself, or for a mixed one (``KVFormat.mix``) the part whose
-        bits buy the least estimated loss increase under the mix's average bits (TaDA's per-layer search, seed 004,
-        codecs.tada.search_layer_bits, on the calibration's Fisher estimate of each layer's K + V loss increase at
-        its hybrid choice, ``hybrid.<part>.cost``).  Deterministic: every process computes the same choice."""
+        """Which format serves each layer: the format itself, or for a mixed one (``KVFormat.mix``) the part the
+        mixed-format policy (mixed.py) chooses from this calibration's per-layer loss estimates."""
         fmt = get_format(format_name)
         if not fmt.mix:
             return [format_name] * self.num_layers
         cached = self._layer_formats.get(format_name)
         if cached is None:
-            from .codecs.tada import search_layer_bits
-
-            missing = [p for p in fmt.mix if p not in self.cost]
-            if missing:
+            try:
+                cached = choose_layer_formats(fmt, self.num_layers, self.cost, self.method_of)
+            except MissingCosts as e:
                 raise ArtifactError(
-                    f"calibration artifact {self.path} has no per-layer loss estimates for {', '.join(missing)} "
+                    f"calibration artifact {self.path} has no per-layer loss estimates for {', '.join(e.parts)} "
                     f"(written before they were recorded): {format_name} chooses its layers' chunk lengths from them. "
-                    f"Re-create it with: {fix or calibrate_hint(None, self.path)} --formats {' '.join(fmt.mix)}")
-            bits = {get_format(p).bits_per_float: p for p in fmt.mix}
-            cost = {}
-            for layer in range(self.num_layers):
-                cost[layer] = {}
-                for b, p in bits.items():
-                    c = self.cost[p][layer]  # [K/V, temporal/channel]
-                    cost[layer][b] = float(sum(c[j, int(self.method_of(get_format(p), layer, kv) == "channel")]
-                                               for j, kv in enumerate(KV)))
-            choice = search_layer_bits(cost, fmt.bits_per_float)
-            cached = self._layer_formats[format_name] = [bits[choice[layer]] for layer in range(self.num_layers)]
+                    f"Re-create it with: {fix or calibrate_hint(None, self.path)} --formats {' '.join(fmt.mix)}"
+                ) from None
+            self._layer_formats[format_name] = cached
         return cached
 
     def method_of(self, fmt: KVFormat, layer: int, kv: str) -> str:
@@ -374,56 +364,30 @@ class Artifact:
             return fmt.channel_twin_key
         return fmt.codebook_key
 
-    def layer_quantizers(
-        self,
-        format_name: str,
-        layer: int,
-        *,
-        outliers: bool = False,
-        layer_methods: dict[str, list[str]] | None = None,
-        heads: list[int] | None = None,
-        device: str | torch.device = "cpu",
-    ) -> tuple[KVQuantizer, KVQuantizer]:
-        """The (K, V) quantizers of one layer. ``layer_methods`` overrides the hybrid choice
-        (e.g. all "temporal" for the pure-temporal ablation); ``heads``: only these KV heads, in this order
-        (a tensor-parallel rank's own)."""
+    def codebook(self, fmt: KVFormat, layer: int, kv: str, heads: list[int] | None = None, method: str | None = None):
+        """(method, codebooks [H, G, K, v], ChannelStats) of one layer's K ("k") or V ("v") for a (non-mixed)
+        format (a K/V pair: that half's), at the layer's hybrid choice unless ``method`` overrides it (the
+        pure-temporal ablation); ``heads``: only these KV heads, in this order (a tensor-parallel rank's own)."""
         if not 0 <= layer < self.num_layers:
             raise ArtifactError(f"calibration artifact {self.path} has {self.num_layers} layers; layer {layer} asked for")
-        format_name = self.layer_formats(format_name)[layer]  # a mixed format: this layer's part
-        missing = [p for p in get_format(format_name).calibrated_formats if p not in self.formats]
+        missing = [p for p in fmt.calibrated_formats if p not in self.formats]
         if missing:
             raise ArtifactError(f"calibration artifact {self.path} has no codebooks for {', '.join(missing)} "
-                                f"(needed by {format_name}); add them with: {calibrate_hint(None, self.path)} "
+                                f"(needed by {fmt.name}); add them with: {calibrate_hint(None, self.path)} "
                                 f"--formats {' '.join(missing)}")
-        pair = []
-        for kv in KV:
-            fmt = get_format(format_name).part(kv)  # a K/V pair: this half's format
-            method = (layer_methods or self.layer_methods[fmt.name])[kv][layer]
-            key = fmt.channel_twin_key if method == "channel" and fmt.hybrid else fmt.codebook_key
-            if (layer, kv, key) not in self.codebooks:
-                raise ArtifactError(f"calibration artifact {self.path} lacks codebook {key} for layer {layer} {kv.upper()}")
-            books, stats = self.codebooks[(layer, kv, key)], self.stats[(layer, kv)]
-            if heads is not None:
-                if not all(0 <= h < books.shape[0] for h in heads):
-                    raise ArtifactError(f"calibration artifact {self.path} has {books.shape[0]} KV heads; heads "
-                                        f"{heads} asked for")
-                books = books[heads]
-                stats = ChannelStats(*(t[heads] for t in (stats.mean, stats.std, stats.lo, stats.hi)))
-            codec = make_codec(method, fmt.chunk, fmt.n_centroids, books.to(device))
-            pair.append(KVQuantizer(codec, stats.to(device), outliers))
-        return pair[0], pair[1]
-
-    def quantizers(
-        self,
-        format_name: str,
-        *,
-        outliers: bool = False,
-        layer_methods: dict[str, list[str]] | None = None,
-        device: str | torch.device = "cpu",
-    ) -> list[tuple[KVQuantizer, KVQuantizer]]:
-        """One (K, V) quantizer pair per layer (see ``layer_quantizers``)."""
-        return [self.layer_quantizers(format_name, layer, outliers=outliers, layer_methods=layer_methods,
-                                      device=device) for layer in range(self.num_layers)]
+        part = fmt.part(kv)
+        method = method or self.method_of(fmt, layer, kv)
+        key = part.channel_twin_key if method == "channel" and part.hybrid else part.codebook_key
+        if (layer, kv, key) not in self.codebooks:
+            raise ArtifactError(f"calibration artifact {self.path} lacks codebook {key} for layer {layer} {kv.upper()}")
+        books, stats = self.codebooks[(layer, kv, key)], self.stats[(layer, kv)]
+        if heads is not None:
+            if not all(0 <= h < books.shape[0] for h in heads):
+                raise ArtifactError(f"calibration artifact {self.path} has {books.shape[0]} KV heads; heads "
+                                    f"{heads} asked for")
+            books = books[heads]
+            stats = ChannelStats(*(t[heads] for t in (stats.mean, stats.std, stats.lo, stats.hi)))
+        return method, books, stats
 
     def centroid_bytes(self, format_name: str) -> int:
         """fp16 bytes of the codebooks a server needs for this format (all layers, K and V)."""

@@ -39,25 +39,15 @@ from __future__ import annotations
 import dataclasses
 import re
 
-SINK_TOKENS = 8
-BLOCK_TOKENS = 8
-OUTLIER_FRACTION = 0.01
-OUTLIER_QUANTILES = (0.005, 0.995)
-SELECTIVE_WINDOW = 128  # the selective paper leaves its window open; the quality harness's too
-TADA_WINDOW = 128  # TaDA's residual buffer R on LongBench (seed 004 §4.1; codecs/tada.py)
-QJL_WINDOW = 128  # QJL's buffer_size in the official code (codecs/qjl.py WINDOW)
-QJL_VALUE_GROUP = 32  # QJL's value group (codecs/qjl.py VALUE_GROUP)
-QJL_INITIAL_LAYERS = 15  # QJL's initial_layers_count: these layers get a larger key sketch (layout.qjl_sketch_dims)
-QJL_OUTLIERS = 8  # QJL's outlier channels per group of tokens
-
-METHODS = ("temporal", "channel", "scalar", "selective", "tada", "qjl")
-CODEBOOK_METHODS = ("temporal", "channel", "scalar")  # calibrated: codebooks in an artifact
+# the constants every format shares live with the methods (methods.py); the block, sink and outlier ones are
+# re-exported here, where most readers look for them
+from .methods import BLOCK_TOKENS, OUTLIER_QUANTILES, SINK_TOKENS, CodeLayout, get_method, outlier_cap  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
 class KVFormat:
     name: str
-    method: str  # one of METHODS
+    method: str  # one of methods.METHODS
     bits_per_float: float  # nominal: code bits / floats per vector (not the all-in cost: layout.bits_per_float)
     chunk: int  # floats per vector: tokens (temporal), channels (channel), 1 (scalar, selective, tada)
     n_centroids: int  # codebook size; for selective and tada, the 2**bits code levels
@@ -79,13 +69,13 @@ class KVFormat:
     @property
     def needs_calibration(self) -> bool:
         """Codebook formats serve from a calibration artifact; the others need none."""
-        return self.method in CODEBOOK_METHODS
+        return get_method(self.method).calibrated
 
     @property
     def per_layer_pages(self) -> bool:
         """Whether a layer's page record size depends on the layer (QJL's larger sketch in its first layers, a mixed
         format's chunk length)."""
-        return self.method == "qjl" or bool(self.mix)
+        return get_method(self.method).post_rope_keys or bool(self.mix)
 
     @property
     def calibrated_formats(self) -> list[str]:
@@ -93,14 +83,11 @@ class KVFormat:
         return list(dict.fromkeys(self.mix or self.kv)) or [self.name]
 
     @property
-    def code_layout(self):
-        """How this format's (non-hybrid) codes are laid out: ``layout.CodeLayout``."""
-        from .layout import code_layout
-
+    def code_layout(self) -> CodeLayout:
+        """How this format's (non-hybrid) codes are laid out: ``methods.CodeLayout``."""
         if self.kv:  # K and V differ: ask part(kind)
             raise ValueError(f"{self.name} lays out K as {self.kv[0]} and V as {self.kv[1]}: use part('k' / 'v')")
-
-        return code_layout(self.method, self.chunk, self.n_centroids)
+        return get_method(self.method).code_layout(self.chunk, self.n_centroids)
 
     @property
     def codebook_key(self) -> str:
@@ -143,11 +130,12 @@ def _build() -> dict[str, KVFormat]:
         out[name] = dataclasses.replace(k, name=name, bits_per_float=(kb + vb) / 2, kv=(k.name, v.name))
     for bits in (8, 4):
         out[f"selective-int{bits}"] = KVFormat(f"selective-int{bits}", "selective", bits, 1, 2**bits,
-                                               window=SELECTIVE_WINDOW)
+                                               window=get_method("selective").window)
     for bits in (4, 2):  # uniform deviation bits; the paper's per-layer mix is the quality harness's (tada-mixed-3bit)
-        out[f"tada-{bits}bit"] = KVFormat(f"tada-{bits}bit", "tada", bits, 1, 2**bits, window=TADA_WINDOW)
+        out[f"tada-{bits}bit"] = KVFormat(f"tada-{bits}bit", "tada", bits, 1, 2**bits,
+                                          window=get_method("tada").window)
     # bits_per_float / n_centroids: the values' 2-bit codes; the keys' sketch bits are the layout's (key_block_bytes)
-    out["qjl"] = KVFormat("qjl", "qjl", 2, 1, 4, window=QJL_WINDOW)
+    out["qjl"] = KVFormat("qjl", "qjl", 2, 1, 4, window=get_method("qjl").window)
     return out
 
 
@@ -189,31 +177,11 @@ def check_window(window, block_size: int, where: str = "temporalkv_recent_window
     return window
 
 
-def outlier_cap(head_dim: int) -> int:
-    """Most values kept exact per (block of BLOCK_TOKENS tokens, KV head, K or V): <= 1%."""
-    return int(OUTLIER_FRACTION * BLOCK_TOKENS * head_dim)
-
-
 def check_head_dim(fmt: KVFormat, head_dim: int) -> None:
     for part in fmt.mix + fmt.kv:  # a mixed format serves each layer as one of its parts, a pair K and V
         check_head_dim(get_format(part), head_dim)
     if fmt.kv:
         return
-    if fmt.method in ("channel", "temporal"):  # both group l channels (codebooks / vectors)
-        if head_dim % fmt.chunk:
-            raise FormatError(
-                f"{fmt.name} groups {fmt.chunk} channels per vector, which does not divide "
-                f"head_dim={head_dim}; choose a format with a chunk length dividing {head_dim}"
-            )
-    per_byte = 8 // fmt.code_layout.code_bits
-    if fmt.method in ("selective", "tada") and head_dim % per_byte:
-        raise FormatError(f"{fmt.name} packs {per_byte} codes per byte and needs a head_dim divisible by {per_byte}, "
-                          f"got {head_dim}")
-    if fmt.method == "qjl" and head_dim % QJL_VALUE_GROUP:
-        raise FormatError(f"{fmt.name} quantizes values in groups of {QJL_VALUE_GROUP} channels: head_dim {head_dim} "
-                          f"must be a multiple of {QJL_VALUE_GROUP}")
-    if fmt.method == "tada" and head_dim > 128 and head_dim % 128:
-        raise FormatError(f"{fmt.name} keeps a scale and a min per 128 channels: head_dim {head_dim} must be a "
-                          "multiple of 128 (or at most 128)")
-    if BLOCK_TOKENS % fmt.chunk and fmt.method == "temporal":
-        raise FormatError(f"{fmt.name}: chunk {fmt.chunk} must divide BLOCK_TOKENS={BLOCK_TOKENS}")
+    problem = get_method(fmt.method).head_dim_problem(fmt.chunk, fmt.n_centroids, head_dim)
+    if problem:
+        raise FormatError(f"{fmt.name} {problem}")

@@ -1,6 +1,7 @@
 """Storage arithmetic of a compressed K/V cache: what each part costs, in bits per cached float.
 
-Pure arithmetic, no torch: the honest accounting behind every "bits" column.  Per (layer, KV head,
+Pure arithmetic, no torch (the torch views of a page tensor: page_views.py): the honest accounting behind every
+"bits" column, and the byte offsets inside a page's record (``PageLayout``).  Per (layer, KV head,
 K or V) a sequence of n tokens stores
 * codes: one code per vector, ``bits`` per float on average (kvquant codes packed);
 * scales (scaled integer codes: selective, TaDA): fp16 parameters per (token, KV head[, channel group]);
@@ -14,12 +15,8 @@ K or V) a sequence of n tokens stores
 
 from __future__ import annotations
 
-import dataclasses
-
-import torch
-
-from .formats import (BLOCK_TOKENS, QJL_INITIAL_LAYERS, QJL_OUTLIERS, QJL_VALUE_GROUP, SINK_TOKENS, KVFormat,
-                      outlier_cap)
+from .formats import KVFormat, check_window
+from .methods import BLOCK_TOKENS, SINK_TOKENS, code_layout, get_method, outlier_cap, qjl_key_block_bytes
 
 HALF_BITS = 16
 OUTLIER_SLOT_BITS = HALF_BITS + 16  # value + position inside the block
@@ -67,129 +64,6 @@ def bits_per_float(fmt: KVFormat, head_dim: int, context: int, outliers: bool = 
 
 
 # ---------------------------------------------------------------------------------------------
-# How a method cuts K or V into vectors and lays out their codes: ONE description per method,
-# read by the codecs (to_vectors / from_vectors), code packing, the torch path and the kernels.
-#
-# A vector covers ``vec_tokens`` consecutive tokens of ``vec_channels`` adjacent channels (one of
-# the two is 1); its floats are ordered along whichever axis has length > 1.  Codes of one block of
-# BLOCK_TOKENS tokens and one KV head form a [rows, cols] grid - code (r, c) covers tokens
-# r*vec_tokens.. and channels c*vec_channels.. - stored row-major, ``8 // code_bits`` codes per
-# byte (lowest column in the lowest bits).  Codebooks are per KV head and *group* of
-# ``group_channels`` adjacent channels: column c uses group c * vec_channels // group_channels.
-
-
-KERNEL_TOKEN_VECTOR, KERNEL_CHANNEL_VECTOR, KERNEL_SCALAR = 0, 1, 2  # the kernels' code paths (csrc/common.h)
-
-
-@dataclasses.dataclass(frozen=True)
-class CodeLayout:
-    method: str
-    vec_tokens: int
-    vec_channels: int
-    group_channels: int
-    n_centroids: int  # codebook size, or the 2**bits levels of a scaled integer code
-    # scaled integer codes: fp16 parameters per code row (token) of a KV head and group of ``scale_group``
-    # channels (0: the whole head) - selective 1 (absmax scale), TaDA 2 (scale, min)
-    row_scales: int = 0
-    scale_group: int = 0
-    # per token, the mean over the KV heads in 16 bits (TaDA): codes are deviations from it; its channels are
-    # split across the heads' records (head h keeps channels h*c .. h*c + c - 1, c = ceil(D / H))
-    head_mean: bool = False
-
-    @property
-    def vec_dim(self) -> int:
-        """Floats per vector."""
-        return self.vec_tokens * self.vec_channels
-
-    @property
-    def code_bits(self) -> int:
-        return (self.n_centroids - 1).bit_length()
-
-    @property
-    def rows(self) -> int:
-        """Code rows per block of BLOCK_TOKENS tokens."""
-        return BLOCK_TOKENS // self.vec_tokens
-
-    def cols(self, head_dim: int) -> int:
-        return head_dim // self.vec_channels
-
-    def groups(self, head_dim: int) -> int:
-        """Codebooks per KV head."""
-        return head_dim // self.group_channels
-
-    def block_bytes(self, head_dim: int) -> int:
-        """Code bytes of one block of BLOCK_TOKENS tokens of one KV head."""
-        return self.rows * self.cols(head_dim) * self.code_bits // 8
-
-    @property
-    def kernel_variant(self) -> int | None:
-        """Which code path of the C++ and Triton kernels decodes these codes, from the geometry alone:
-        0 = a vector along tokens (one channel), 1 = a vector along channels (one token), 2 = one value with a
-        codebook per channel; None = no kernel (scaled integer codes: the torch path)."""
-        if self.row_scales or self.head_mean:
-            return None
-        if self.vec_tokens > 1 and self.vec_channels == 1 and self.group_channels == self.vec_tokens:
-            return KERNEL_TOKEN_VECTOR
-        if self.vec_tokens == 1 and self.vec_channels > 1 and self.group_channels == self.vec_channels:
-            return KERNEL_CHANNEL_VECTOR
-        if self.vec_tokens == self.vec_channels == self.group_channels == 1:
-            return KERNEL_SCALAR
-        return None
-
-    def scales_per_row(self, head_dim: int) -> int:
-        """fp16 parameters per code row of one KV head."""
-        if not self.row_scales:
-            return 0
-        g = min(self.scale_group, head_dim) if self.scale_group else head_dim
-        return self.row_scales * (head_dim // g)
-
-    def scale_bytes(self, head_dim: int) -> int:
-        """Scale bytes of one block of one KV head (fp16)."""
-        return self.rows * self.scales_per_row(head_dim) * 2
-
-    def mean_channels(self, head_dim: int, num_kv_heads: int | None) -> int:
-        """Channels of the per-token head mean each KV head's record keeps (0: no mean)."""
-        if not self.head_mean:
-            return 0
-        if not num_kv_heads:
-            raise ValueError(f"{self.method} shares a per-token mean across the KV heads: pass num_kv_heads")
-        return -(-head_dim // num_kv_heads)
-
-    def bits_per_float(self) -> float:
-        return self.code_bits / self.vec_dim
-
-    def scale_bits_per_float(self, head_dim: int) -> float:
-        return 8 * self.scale_bytes(head_dim) / (BLOCK_TOKENS * head_dim)
-
-    def mean_bits_per_float(self, head_dim: int, num_kv_heads: int | None) -> float:
-        return 16 * self.mean_channels(head_dim, num_kv_heads) / head_dim
-
-
-TADA_GROUP = 128  # TaDA's scale / min group (codecs/tada.py GROUP_SIZE; the whole head when head_dim < 128)
-
-# method -> (vec_tokens, vec_channels, group_channels, {extras}) for chunk length l; see formats.py
-_GEOMETRY = {
-    "temporal": lambda l: (l, 1, l, {}),  # l tokens of one channel; codebooks shared by l channels
-    "channel": lambda l: (1, l, l, {}),  # l adjacent channels of one token
-    "scalar": lambda l: (1, 1, 1, {}),  # one value; a codebook per channel
-    "selective": lambda l: (1, 1, 1, dict(row_scales=1)),  # one value; an absmax scale per (token, KV head)
-    # one value: its deviation from the token's head mean; a scale and a min per (token, KV head, 128 channels)
-    "tada": lambda l: (1, 1, 1, dict(row_scales=2, scale_group=TADA_GROUP, head_mean=True)),
-    # QJL's values (its keys are sketches, not codes: key_block_bytes): one value, a scale and a min per
-    # (token, KV head, 32 channels)
-    "qjl": lambda l: (1, 1, 1, dict(row_scales=2, scale_group=QJL_VALUE_GROUP)),
-}
-
-
-def code_layout(method: str, chunk: int, n_centroids: int) -> CodeLayout:
-    try:
-        vt, vc, gc, extras = _GEOMETRY[method](chunk)
-    except KeyError:
-        raise ValueError(f"no code layout for method {method!r}; known: {', '.join(_GEOMETRY)}") from None
-    return CodeLayout(method, vt, vc, gc, n_centroids, **extras)
-
-
-# ---------------------------------------------------------------------------------------------
 # The paged layout served by vLLM: one flat byte record per (page, KV head)
 #
 #   region   [8 + R, 2 (K, V), D] half   slots 0..7: the sequence's sink tokens (page 0)
@@ -227,22 +101,6 @@ def code_bytes_per_block(fmt: KVFormat, head_dim: int) -> int:
     return code_layout(fmt.method, fmt.chunk, fmt.n_centroids).block_bytes(head_dim)
 
 
-def qjl_sketch_dims(head_dim: int, layer: int | None = None, initial_layers: int = QJL_INITIAL_LAYERS) -> tuple[int, int]:
-    """QJL's sketch sizes (m, m_outlier).  The official code at D=128: (256, 256) in general layers and (512, 128)
-    in the first 15; other head dims keep the same sign bits per channel [our inference]: (2D, 2D) and (4D, D)."""
-    if layer is not None and layer < initial_layers:
-        return 4 * head_dim, head_dim
-    return 2 * head_dim, 2 * head_dim
-
-
-def qjl_key_block_bytes(head_dim: int, layer: int) -> int:
-    """Page bytes of one block of BLOCK_TOKENS QJL keys of one KV head: sign bits of the inlier sketch (m) and of
-    the outlier sketch (m_o) per token, ||k|| and ||k_out|| in fp16 per token, the block's outlier channels
-    (codecs/qjl.py QJLKeyQuantizer lays them out)."""
-    m, m_o = qjl_sketch_dims(head_dim, layer)
-    return BLOCK_TOKENS * (m // 8 + m_o // 8 + 4) + QJL_OUTLIERS
-
-
 def kind_geometry(fmt: KVFormat, kind: str, head_dim: int, layer: int | None = None) -> tuple[int, int]:
     """(code bytes per block, fp16 parameters per token) of K ("k") or V ("v") in one KV head's record.  The same
     for K and V but for a K/V pair (``KVFormat.kv``) and QJL, whose keys are sketches (qjl_key_block_bytes: larger in
@@ -250,7 +108,7 @@ def kind_geometry(fmt: KVFormat, kind: str, head_dim: int, layer: int | None = N
     if fmt.mix:
         raise ValueError(f"{fmt.name} is laid out per layer as one of its parts ({', '.join(fmt.mix)}): resolve the "
                          "layer's part first (Artifact.layer_formats)")
-    if fmt.method == "qjl" and kind == "k":
+    if get_method(fmt.method).post_rope_keys and kind == "k":  # QJL's keys: sketches, larger in the first layers
         if layer is None:
             raise ValueError(f"{fmt.name}'s key pages differ per layer: pass layer")
         return qjl_key_block_bytes(head_dim, layer), 0
@@ -264,8 +122,6 @@ class PageLayout:
 
     def __init__(self, fmt: KVFormat, head_dim: int, block_size: int, outliers: bool = False,
                  window: int | None = None, num_kv_heads: int | None = None, layer: int | None = None):
-        from .formats import check_window
-
         if block_size % BLOCK_TOKENS or block_size < 2 * BLOCK_TOKENS:
             raise ValueError(
                 f"{fmt.name} needs a block size that is a multiple of {BLOCK_TOKENS} and at least "
@@ -318,90 +174,6 @@ class PageLayout:
         """Compression of one page against a bf16/fp16 page of the same tokens."""
         return self.block_size * 2 * self.head_dim * 2 / self.bytes
 
-    # ---- torch views of a cache tensor [num_pages, H, bytes] uint8 ----------------------------
-    def _slice(self, pages, start, nbytes):
-        return pages[..., start : start + nbytes]
-
-    def region_view(self, pages, dtype):
-        """[num_pages, H, region_slots, 2, D] in the model's half dtype."""
-        n = self.region_slots * 2 * self.head_dim * 2
-        return self._slice(pages, self.region, n).view(dtype).unflatten(-1, (self.region_slots, 2, self.head_dim))
-
     def ring_slot(self, positions):
         """Region slot of tokens waiting to be encoded (positions >= SINK_TOKENS)."""
         return TAIL_SLOT0 + positions % self.ring
-
-    def scales_view(self, pages, kind: str):
-        """[num_pages, H, blocks, BLOCK_TOKENS, P] fp16 row scales for K ("k") or V ("v")."""
-        start = self.k_scales if kind == "k" else self.v_scales
-        P = self.kind_scales_per_row[kind]
-        return self._slice(pages, start, self.blocks * BLOCK_TOKENS * P * 2).view(torch.float16).unflatten(
-            -1, (self.blocks, BLOCK_TOKENS, P))
-
-    def mean_view(self, pages, kind: str, dtype):
-        """[num_pages, H, blocks, BLOCK_TOKENS, c] half: each head's channels of the per-token head mean."""
-        start = self.k_mean if kind == "k" else self.v_mean
-        n = self.blocks * self.mean_bytes
-        return self._slice(pages, start, n).view(dtype).unflatten(-1, (self.blocks, BLOCK_TOKENS, self.mean_channels))
-
-    def codes_view(self, pages, kind: str):
-        """[num_pages, H, blocks, code bytes] uint8 for K ("k") or V ("v")."""
-        start = self.k_codes if kind == "k" else self.v_codes
-        n = self.kind_code_bytes[kind]
-        return self._slice(pages, start, self.blocks * n).unflatten(-1, (self.blocks, n))
-
-    def outlier_views(self, pages, kind: str, dtype):
-        """([num_pages, H, blocks, cap] int16 positions, same-shape half values)."""
-        i0, v0 = (self.k_idx, self.k_val) if kind == "k" else (self.v_idx, self.v_val)
-        n = self.blocks * self.cap * 2
-        idx = self._slice(pages, i0, n).view(torch.int16).unflatten(-1, (self.blocks, self.cap))
-        val = self._slice(pages, v0, n).view(dtype).unflatten(-1, (self.blocks, self.cap))
-        return idx, val
-
-
-# ---- code bytes <-> the codec's natural code tensors (one block of BLOCK_TOKENS tokens) ---------
-
-
-def pack_block_codes(cl: CodeLayout, codes: torch.Tensor) -> torch.Tensor:
-    """Natural codes of nb whole blocks, [nb * rows, H, cols] -> [nb, H, block_bytes] uint8."""
-    H, cols = codes.shape[1], codes.shape[2]
-    nb = codes.shape[0] // cl.rows
-    c = codes.to(torch.uint8).reshape(nb, cl.rows, H, cols).transpose(1, 2)  # [nb, H, rows, cols]
-    if cl.code_bits < 8:
-        per = 8 // cl.code_bits
-        c = c.reshape(*c.shape[:-1], -1, per).to(torch.int32)
-        shifts = torch.arange(per, device=c.device, dtype=torch.int32) * cl.code_bits
-        c = (c << shifts).sum(-1).to(torch.uint8)
-    return c.reshape(nb, H, -1)
-
-
-def unpack_block_codes(cl: CodeLayout, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Inverse of pack_block_codes: [nb, H, block_bytes] -> [nb * rows, H, cols]."""
-    nb, H, _ = packed.shape
-    c = packed
-    if cl.code_bits < 8:
-        per = 8 // cl.code_bits
-        shifts = torch.arange(per, device=c.device, dtype=torch.int32) * cl.code_bits
-        c = ((c.to(torch.int32)[..., None] >> shifts) & ((1 << cl.code_bits) - 1)).to(torch.uint8)
-    c = c.reshape(nb, H, cl.rows, cl.cols(head_dim)).transpose(1, 2)
-    return c.reshape(nb * cl.rows, H, cl.cols(head_dim))
-
-
-# ---- the per-token head mean (TaDA) <-> the heads' shares of it -------------------------------
-
-
-def split_head_mean(mean: torch.Tensor, num_kv_heads: int, channels: int) -> torch.Tensor:
-    """[T, D] -> [T, H, c]: head h's share is channels h*c .. h*c + c - 1 (zero-padded past D)."""
-    pad = num_kv_heads * channels - mean.shape[-1]
-    return torch.nn.functional.pad(mean, (0, pad)).unflatten(-1, (num_kv_heads, channels))
-
-
-def join_head_mean(shares: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Inverse of split_head_mean: [..., H, c] -> [..., D]."""
-    return shares.flatten(-2)[..., :head_dim]
-
-
-def store_half(dtype: torch.dtype) -> torch.dtype:
-    """The half dtype a cache stores exact values in (sinks, tail, outliers, head means): the model's own, or
-    bfloat16 for a float32 model (a float32 region would cost ~12% of the pages' capacity)."""
-    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16

@@ -18,7 +18,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from ..layout import CodeLayout, code_layout
+from ..methods import CodeLayout, code_layout
 
 # candidates kept by the matmul screen; the exact argmin is among them unless >= this many
 # centroids lie within float32 rounding of each other.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import BLOCK_TOKENS
+from ..methods import BLOCK_TOKENS
 
 
 def split_outliers(

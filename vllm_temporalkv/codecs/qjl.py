@@ -42,15 +42,17 @@ from typing import NamedTuple
 
 import torch
 
-from ..formats import BLOCK_TOKENS, QJL_INITIAL_LAYERS, QJL_OUTLIERS, SINK_TOKENS
-from ..layout import code_layout, qjl_key_block_bytes, qjl_sketch_dims, store_half
+from ..methods import (BLOCK_TOKENS, QJL_INITIAL_LAYERS, QJL_OUTLIER_GROUP, QJL_OUTLIERS, QJL_VALUE_BITS, QJL_VALUE_GROUP,
+                       QJL_WINDOW, SINK_TOKENS, code_layout, qjl_key_block_bytes, qjl_sketch_dims)
+from ..page_views import store_half
+from .quantizer import BaseQuantizer, Encoded, fake_quant
 
 INITIAL_LAYERS = QJL_INITIAL_LAYERS  # [C] initial_layers_count (15): these layers get a larger sketch
 N_OUTLIERS = QJL_OUTLIERS  # [C] outlier_count_general = outlier_count_initial_layers (8)
-OUTLIER_GROUP = 32  # [C] group_size: tokens per outlier-channel selection
-VALUE_BITS = 2  # [C] value_quantization_bits
-VALUE_GROUP = 32  # [C] group_size: channels per value scale/min
-WINDOW = 128  # [C] buffer_size: recent tokens kept exact
+OUTLIER_GROUP = QJL_OUTLIER_GROUP  # [C] group_size: tokens per outlier-channel selection (32)
+VALUE_BITS = QJL_VALUE_BITS  # [C] value_quantization_bits (2)
+VALUE_GROUP = QJL_VALUE_GROUP  # [C] group_size: channels per value scale/min (32)
+WINDOW = QJL_WINDOW  # [C] buffer_size: recent tokens kept exact (128)
 _C = math.sqrt(math.pi / 2)
 
 
@@ -290,27 +292,14 @@ def served_sketch(head_dim: int, m: int) -> torch.Tensor:
     return sketch_matrix(head_dim, m, seed=m)
 
 
-class _NoKernel:
-    """A code layout no C++ / Triton kernel decodes (what the kernel selection reads: ``kernel_variant``)."""
-
-    kernel_variant = None
-
-
-class _Codec:
-    """What the paged cache and the kernel selection read of a quantizer's codec: its code layout."""
-
-    def __init__(self, layout):
-        self.layout = layout
-
-
-class QJLKeyQuantizer:
+class QJLKeyQuantizer(BaseQuantizer):
     """QJL keys in the paged cache, one layer: ``encode`` takes whole blocks of POST-RoPE keys [nb * 8, H, D] (the
     cache does not un-rotate them: ``post_rope``) and returns each block's page bytes (``packs_blocks``: the bytes
     as stored, [nb, H, key_block_bytes]); ``decode`` gives the surrogate k_hat [T, H, D], post-RoPE, whose dot
     product with a query is QJL's estimate.  ``fake_quant`` (the quality harness: pre-RoPE keys of one sequence
-    from position 0) rotates, runs the served semantics and rotates the surrogate back."""
+    from position 0) rotates, runs the served semantics and rotates the surrogate back.  Sketches, not codes of a
+    layout (``code_layout`` None): no C++ / Triton kernel reads them, the torch path serves them."""
 
-    outliers = False
     post_rope = True
     packs_blocks = True
 
@@ -321,11 +310,8 @@ class QJLKeyQuantizer:
         self.m, self.m_o = default_sketch_dims(head_dim, layer)
         self.S = served_sketch(head_dim, self.m)
         self.block_bytes = qjl_key_block_bytes(head_dim, layer)
-        self.codec = _Codec(_NoKernel())  # sketches, not codes: the torch path
 
-    def encode(self, x: torch.Tensor):
-        from .quantizer import Encoded
-
+    def encode(self, x: torch.Tensor) -> Encoded:
         T, H, D = x.shape
         nb = T // BLOCK_TOKENS
         k = encode_keys(x.float(), self.S, self.m_o, N_OUTLIERS, group_size=BLOCK_TOKENS)
@@ -353,14 +339,9 @@ class QJLKeyQuantizer:
     def decode(self, enc, T: int, dtype: torch.dtype) -> torch.Tensor:
         return key_surrogate(self.keys(enc.codes), self.S)[:T].to(dtype)
 
-    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decode(self.encode(x), x.shape[0], x.dtype)
-
     def fake_quant(self, x: torch.Tensor, sinks: int = SINK_TOKENS, window: int = 0) -> torch.Tensor:
         """Pre-RoPE keys [T, H, D] of one sequence (positions 0..T-1) -> the pre-RoPE image of what the served
         cache holds after T tokens (float32): exact tokens rotated there and back, the rest k_hat rotated back."""
-        from .quantizer import fake_quant
-
         if self.rope is None:
             raise ValueError("QJLKeyQuantizer.fake_quant rotates pre-RoPE keys: construct it with the model's Rope")
         pos = torch.arange(x.shape[0], device=x.device)
@@ -368,18 +349,13 @@ class QJLKeyQuantizer:
         return self.rope.invert(fake_quant(self, post, sinks, window).float(), pos)
 
 
-class QJLValueQuantizer:
+class QJLValueQuantizer(BaseQuantizer):
     """QJL values in the paged cache: per token and group of 32 channels, asymmetric 2-bit codes (one per value,
     packed by the page layout) with an fp16 scale and minimum (``Encoded.scales`` [T, H, 2G], scales first)."""
 
-    outliers = False
+    code_layout = code_layout("qjl", 1, 2**VALUE_BITS)  # 2-bit codes packed 4 per byte, row scales
 
-    def __init__(self):
-        self.codec = _Codec(code_layout("qjl", 1, 2**VALUE_BITS))  # 2-bit codes packed 4 per byte, row scales
-
-    def encode(self, x: torch.Tensor):
-        from .quantizer import Encoded
-
+    def encode(self, x: torch.Tensor) -> Encoded:
         e = encode_values(x, VALUE_BITS, VALUE_GROUP, param_dtype=torch.float16)
         return Encoded(e.codes, None, None, torch.cat([e.scale, e.zero], -1))
 
@@ -387,11 +363,3 @@ class QJLValueQuantizer:
         G = enc.scales.shape[-1] // 2
         s = enc.scales[:T]
         return decode_values(QJLValues(enc.codes[:T], s[..., :G], s[..., G:], VALUE_BITS), dtype)
-
-    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decode(self.encode(x), x.shape[0], x.dtype)
-
-    def fake_quant(self, x: torch.Tensor, sinks: int = SINK_TOKENS, window: int = 0) -> torch.Tensor:
-        from .quantizer import fake_quant
-
-        return fake_quant(self, x, sinks, window)

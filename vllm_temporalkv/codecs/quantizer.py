@@ -12,10 +12,11 @@ encoded at all: they stay in the model's half precision.
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..formats import BLOCK_TOKENS, SINK_TOKENS, outlier_cap
+from ..methods import BLOCK_TOKENS, SINK_TOKENS, CodeLayout, outlier_cap
 from .base import Codec
 from .outliers import merge_outliers, split_outliers
 
@@ -45,11 +46,62 @@ class Encoded:
     mean: torch.Tensor | None = None  # [T, D] the per-token mean over the KV heads, half precision (tada)
 
 
-class KVQuantizer:
+@runtime_checkable
+class Quantizer(Protocol):
+    """What the paged cache, the kernel selection and the quality harness may ask of one (layer, K-or-V) quantizer:
+    every served quantizer declares these (``BaseQuantizer`` holds the defaults), and nothing probes for others.
+
+    * ``code_layout``: the geometry of its codes (``methods.CodeLayout``; its ``kernel_variant`` says which code
+      path of the C++ / Triton kernels decodes them, None = none does); None when what it stores are not codes of
+      a layout (QJL's key sketches);
+    * ``post_rope``: it takes keys as served, post-RoPE (QJL's sketches), so the cache does not un-rotate them;
+    * ``packs_blocks``: ``encode`` returns each block's page bytes itself (else the cache packs the codes by
+      ``code_layout``);
+    * ``outliers``: exact outliers ride along (``Encoded.outlier_idx`` / ``outlier_val``);
+    * ``encode`` whole blocks of K or V [nb * BLOCK_TOKENS, H, D] -> ``Encoded``; ``decode`` (enc, T, dtype) ->
+      [T, H, D]; ``roundtrip``; ``fake_quant`` (one sequence as the server holds it after its T tokens)."""
+
+    code_layout: CodeLayout | None
+    post_rope: bool
+    packs_blocks: bool
+    outliers: bool
+
+    def encode(self, x: torch.Tensor) -> "Encoded": ...
+
+    def decode(self, enc: "Encoded", T: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def fake_quant(self, x: torch.Tensor, sinks: int = SINK_TOKENS, window: int = 0) -> torch.Tensor: ...
+
+
+class BaseQuantizer:
+    """The ``Quantizer`` defaults - codes of a code layout, of pre-RoPE keys, packed by the cache, no outliers -
+    and what follows from encode / decode."""
+
+    code_layout: CodeLayout | None = None
+    post_rope = False
+    packs_blocks = False
+    outliers = False
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.encode(x), x.shape[0], x.dtype)
+
+    def fake_quant(self, x: torch.Tensor, sinks: int = SINK_TOKENS, window: int = 0) -> torch.Tensor:
+        return fake_quant(self, x, sinks, window)
+
+
+class KVQuantizer(BaseQuantizer):
+    """A codebook method's quantizer: per-channel normalization (calibration statistics), its codec, outliers."""
+
     def __init__(self, codec: Codec, stats: ChannelStats, outliers: bool = False):
         self.codec = codec
         self.stats = stats
         self.outliers = outliers
+
+    @property
+    def code_layout(self) -> CodeLayout:
+        return self.codec.layout
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         s = self.stats
@@ -77,12 +129,6 @@ class KVQuantizer:
         if enc.outlier_idx is not None:
             x = merge_outliers(x, enc.outlier_idx, enc.outlier_val.float())
         return x.to(dtype)
-
-    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decode(self.encode(x), x.shape[0], x.dtype)
-
-    def fake_quant(self, x: torch.Tensor, sinks: int = SINK_TOKENS, window: int = 0) -> torch.Tensor:
-        return fake_quant(self, x, sinks, window)
 
 
 def fake_quant(q, x: torch.Tensor, sinks: int = SINK_TOKENS, window: int = 0) -> torch.Tensor:

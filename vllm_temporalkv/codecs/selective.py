@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import SINK_TOKENS
-from ..layout import CodeLayout, code_layout
+from ..methods import SELECTIVE_QMAX, CodeLayout, code_layout
+from .quantizer import BaseQuantizer, Encoded
 
 EPS = 2.0**-24  # smallest positive fp16 (subnormal); see the module docstring
-QMAX = {8: 127, 4: 7}
+QMAX = SELECTIVE_QMAX
 
 
 def selective_mask(T: int, sinks: int, window: int) -> torch.Tensor:
@@ -91,30 +91,19 @@ class SelectiveCodec:
         return self.bits + 16 / head_dim
 
 
-class SelectiveQuantizer:
-    """A selective codec behind the serving quantizer interface (``KVQuantizer``'s encode / decode, what
-    the paged cache calls): whole blocks in, unsigned codes + fp16 scales out.  No calibration, no
-    normalization, no outliers; the recent window is the page layout's (``formats.KVFormat.window``)."""
-
-    outliers = False
+class SelectiveQuantizer(BaseQuantizer):
+    """A selective codec behind the serving quantizer interface (``quantizer.Quantizer``, what the paged cache
+    calls): whole blocks in, unsigned codes + fp16 scales out.  No calibration, no normalization, no outliers; the
+    recent window is the page layout's (``formats.KVFormat.window``)."""
 
     def __init__(self, bits: int):
         self.codec = SelectiveCodec(bits)
+        self.code_layout = self.codec.layout
 
-    def encode(self, x: torch.Tensor):
-        from .quantizer import Encoded
-
+    def encode(self, x: torch.Tensor) -> Encoded:
         q, s = self.codec.encode(x)
         return Encoded((q.to(torch.int16) + (self.codec.qmax + 1)).to(torch.uint8), None, None, s[..., None])
 
     def decode(self, enc, T: int, dtype: torch.dtype) -> torch.Tensor:
         q = enc.codes[:T].to(torch.int16) - (self.codec.qmax + 1)
         return self.codec.decode(q, enc.scales[:T, :, 0], dtype)
-
-    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decode(self.encode(x), x.shape[0], x.dtype)
-
-    def fake_quant(self, x: torch.Tensor, sinks: int = SINK_TOKENS, window: int = 0) -> torch.Tensor:
-        from .quantizer import fake_quant
-
-        return fake_quant(self, x, sinks, window)

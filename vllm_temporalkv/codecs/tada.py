@@ -38,8 +38,9 @@ from typing import Hashable, Mapping, TypeVar
 
 import torch
 
-from ..formats import SINK_TOKENS, TADA_WINDOW
-from ..layout import TADA_GROUP, CodeLayout, code_layout, store_half
+from ..methods import TADA_GROUP, TADA_WINDOW, CodeLayout, code_layout
+from ..page_views import store_half
+from .quantizer import BaseQuantizer, Encoded
 
 GROUP_SIZE = TADA_GROUP  # 128
 CANDIDATE_BITS = (2, 4, 8)
@@ -145,7 +146,7 @@ class TadaCodec:
         return bits_per_float(head_dim, self.bits, num_kv_heads, self.group_size)
 
 
-class TadaQuantizer:
+class TadaQuantizer(BaseQuantizer):
     """TaDA behind the serving quantizer interface (``KVQuantizer``'s encode / decode, what the paged cache calls):
     whole blocks of all KV heads in; codes (< 2**bits, one per value), scale + min per (token, head, group) as
     ``Encoded.scales`` [T, H, 2G] (scales first), and the per-token head mean as ``Encoded.mean``.  The mean is
@@ -154,14 +155,11 @@ class TadaQuantizer:
     the KV heads a rank holds.  No calibration, no normalization, no outliers; the recent window (the paper's
     residual) and the sinks are the page layout's."""
 
-    outliers = False
-
     def __init__(self, bits: int):
         self.codec = TadaCodec(bits, mean_dtype=store_half)
+        self.code_layout = self.codec.layout
 
-    def encode(self, x: torch.Tensor):
-        from .quantizer import Encoded
-
+    def encode(self, x: torch.Tensor) -> Encoded:
         e = self.codec.encode(x)
         return Encoded(e.codes, None, None, torch.cat([e.scale, e.minimum], -1), e.mean)
 
@@ -169,14 +167,6 @@ class TadaQuantizer:
         G = enc.scales.shape[-1] // 2
         s = enc.scales[:T]
         return self.codec.decode(TadaEncoded(enc.mean[:T], enc.codes[:T], s[..., :G], s[..., G:]), dtype)
-
-    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decode(self.encode(x), x.shape[0], x.dtype)
-
-    def fake_quant(self, x: torch.Tensor, sinks: int = SINK_TOKENS, window: int = 0) -> torch.Tensor:
-        from .quantizer import fake_quant
-
-        return fake_quant(self, x, sinks, window)
 
 
 def search_layer_bits(errors: Mapping[U, Mapping[int, float]], avg_bits: float) -> dict[U, int]:

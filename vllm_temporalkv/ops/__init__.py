@@ -26,8 +26,10 @@ def _triton(lc):
         from . import triton_path
     except ImportError as e:
         return None, f"triton not importable: {e}"
+    if lc.kernel_blocker:
+        return None, lc.kernel_blocker
     if not triton_path.supports(lc):
-        return None, "the Triton kernels serve codebook codes without a recent window, in a half-precision model"
+        return None, "the Triton kernels serve a half-precision model with head_dim 64, 128 or 256"
     return triton_path, None
 
 
@@ -53,8 +55,8 @@ def select(lc, device) -> tuple[ModuleType, str]:
             return cpu, f"C++ ({cpu.isa()})"
         if not cpu.available():
             why = "extension not loaded"
-        elif lc.layout.window or lc.k.codec.layout.kernel_variant is None:
-            why = "the C++ kernels serve codebook codes without a recent window"
+        elif lc.kernel_blocker:
+            why = lc.kernel_blocker
         else:
             why = "shape not supported by the C++ kernels"
         return paged_torch, f"torch ({why})"

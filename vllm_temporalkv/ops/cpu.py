@@ -39,8 +39,9 @@ from pathlib import Path
 import torch
 
 from . import paged_torch
-from ..formats import BLOCK_TOKENS, SINK_TOKENS
-from ..layout import KERNEL_SCALAR, TAIL_SLOT0
+from ..layout import TAIL_SLOT0
+from ..methods import BLOCK_TOKENS, KERNEL_SCALAR, SINK_TOKENS
+from ..page_views import region_view
 
 logger = logging.getLogger("vllm.temporalkv")
 
@@ -195,11 +196,9 @@ def rope_tables(rope, n: int):
 def supports(lc, pages: torch.Tensor | None = None) -> bool:
     """Whether the kernels handle this layer cache (else: the torch path)."""
     D = lc.layout.head_dim
-    # codebook codes only, and the thesis's page (no recent window: the kernels read the tail from one page)
-    return (available() and lc.dtype in (torch.bfloat16, torch.float16, torch.float32) and D % 32 == 0 and D <= 256
-            and lc.layout.window == 0 and lc.k.codec.layout.kernel_variant is not None
-            and lc.v.codec.layout.kernel_variant is not None
-            and lc.k.outliers == lc.layout.outliers == lc.v.outliers
+    # codebook codes only, and the thesis's page (lc.kernel_blocker: the layer cache says what no kernel decodes)
+    return (available() and lc.kernel_blocker is None and lc.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and D % 32 == 0 and D <= 256
             and (pages is None or (pages.device.type == "cpu" and pages.dtype == torch.uint8
                                    and pages.is_contiguous())))
 
@@ -386,7 +385,7 @@ def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: floa
     e0 = min(lo, ctx)  # exact values from here on: the queries' own blocks
     ke, ve = lc.exact(k), lc.exact(v)
     if ctx > lo:  # the context's incomplete block waits in its page's tail slots: read before writing
-        region = lc.layout.region_view(pages, lc.store_dtype)
+        region = region_view(lc.layout, pages, lc.store_dtype)
         tail = region[table[lo // lc.block_size], :, TAIL_SLOT0:TAIL_SLOT0 + ctx - lo].to(lc.dtype)
         ke = torch.cat([tail[:, :, 0].transpose(0, 1), ke])
         ve = torch.cat([tail[:, :, 1].transpose(0, 1), ve])

@@ -22,56 +22,30 @@ Cache contract (one layer; ``pages`` is ``[num_pages, H, layout.bytes]`` uint8, 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
 import torch
 
-from ..codecs.quantizer import Encoded, KVQuantizer
-from ..formats import BLOCK_TOKENS, SINK_TOKENS, KVFormat
-from ..layout import (TAIL_SLOT0, PageLayout, exact_from, join_head_mean, pack_block_codes, split_head_mean,
-                      store_half, unpack_block_codes)
-from ..rope import Rope
-
-
-@dataclasses.dataclass
-class LayerCache:
-    """Everything needed to read and write one layer's pages."""
-
-    fmt: KVFormat
-    layout: PageLayout
-    k: KVQuantizer
-    v: KVQuantizer
-    rope: Rope
-    dtype: torch.dtype  # the model's dtype: decoded K/V are rounded to it
-
-    @property
-    def block_size(self) -> int:
-        return self.layout.block_size
-
-    @property
-    def store_dtype(self) -> torch.dtype:
-        """The half dtype of the stored exact values (sinks, tail, outliers, head means): ``layout.store_half``."""
-        return store_half(self.dtype)
-
-    def exact(self, x: torch.Tensor) -> torch.Tensor:
-        """New K/V as the cache will hold them (stored half values) in the model dtype: what a query
-        of this step sees of its own block, exactly what a later step reads back from the tail."""
-        return x.to(self.store_dtype).to(self.dtype)
+from ..cache import LayerCache
+from ..codecs.quantizer import Encoded
+from ..layout import TAIL_SLOT0, exact_from
+from ..methods import BLOCK_TOKENS, SINK_TOKENS
+from ..page_views import (codes_view, join_head_mean, mean_view, outlier_views, pack_block_codes, region_view,
+                          scales_view, split_head_mean, unpack_block_codes)
 
 
 def _stored_keys(lc: LayerCache, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Post-RoPE keys -> what the key quantizer encodes: pre-RoPE keys (un-rotated), or the keys as they are for
     a quantizer of post-RoPE keys (QJL: ``post_rope``)."""
-    if getattr(lc.k, "post_rope", False):
+    if lc.k.post_rope:
         return k.to(lc.dtype)
     return lc.rope.invert(k, pos).to(lc.dtype)
 
 
 def _served_keys(lc: LayerCache, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Inverse of _stored_keys for decoded keys (float32): rotated forward unless they are post-RoPE already."""
-    return k if getattr(lc.k, "post_rope", False) else lc.rope.apply(k, pos)
+    return k if lc.k.post_rope else lc.rope.apply(k, pos)
 
 
 def _encode_blocks(lc: LayerCache, pages, page_ids, block_slots, k_pre, v, ) -> None:
@@ -79,18 +53,17 @@ def _encode_blocks(lc: LayerCache, pages, page_ids, block_slots, k_pre, v, ) -> 
     lay = lc.layout
     for kind, q, x in (("k", lc.k, k_pre), ("v", lc.v, v)):
         enc = q.encode(x)
-        codes = lay.codes_view(pages, kind)
+        codes = codes_view(lay, pages, kind)
         # a quantizer that lays out its own block bytes (QJL's keys: ``packs_blocks``) returns them as stored
-        codes[page_ids, :, block_slots] = (enc.codes if getattr(q, "packs_blocks", False)
-                                           else pack_block_codes(q.codec.layout, enc.codes))
+        codes[page_ids, :, block_slots] = enc.codes if q.packs_blocks else pack_block_codes(q.code_layout, enc.codes)
         if enc.scales is not None:  # [nb * 8, H, P] -> [nb, H, 8, P]
-            lay.scales_view(pages, kind)[page_ids, :, block_slots] = enc.scales.unflatten(0, (-1, BLOCK_TOKENS)).transpose(1, 2)
+            scales_view(lay, pages, kind)[page_ids, :, block_slots] = enc.scales.unflatten(0, (-1, BLOCK_TOKENS)).transpose(1, 2)
         if enc.mean is not None:  # [nb * 8, D] -> each head's share [nb, H, 8, c]
             share = split_head_mean(enc.mean.to(lc.store_dtype), x.shape[1], lay.mean_channels)
-            lay.mean_view(pages, kind, lc.store_dtype)[page_ids, :, block_slots] = \
+            mean_view(lay, pages, kind, lc.store_dtype)[page_ids, :, block_slots] = \
                 share.unflatten(0, (-1, BLOCK_TOKENS)).transpose(1, 2)
         if lay.outliers:
-            idx, val = lay.outlier_views(pages, kind, lc.store_dtype)
+            idx, val = outlier_views(lay, pages, kind, lc.store_dtype)
             idx[page_ids, :, block_slots] = enc.outlier_idx
             val[page_ids, :, block_slots] = enc.outlier_val.to(lc.store_dtype)
 
@@ -112,7 +85,7 @@ def write_kv(
     lay = lc.layout
     if lay.window:
         raise ValueError("a page layout with a recent window is written by write_kv_window (it needs the block tables)")
-    region = lay.region_view(pages, lc.store_dtype)
+    region = region_view(lay, pages, lc.store_dtype)
     pos = positions.long()
     pid = page_ids.long()
     off = pos % BLOCK_TOKENS
@@ -176,7 +149,7 @@ def write_kv_window(lc: LayerCache, pages: torch.Tensor, key: torch.Tensor, valu
     the ring of their page, read before anything is written), then the tokens still inside it go to the
     ring.  The older blocks may sit in earlier pages, hence the block tables."""
     lay = lc.layout
-    region = lay.region_view(pages, lc.store_dtype)
+    region = region_view(lay, pages, lc.store_dtype)
     kh, vh = key.to(lc.store_dtype), value.to(lc.store_dtype)  # as the region holds them
     H, D = key.shape[1], key.shape[2]
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
@@ -214,7 +187,7 @@ def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n:
     ``decode_blocks(lc, pages, block_table, full, K, V)``: a twin that fills rows [8, 8 * full) from the codes
     (the Triton path's kernel); the exact sinks and tail are copied here either way."""
     lay = lc.layout
-    region = lay.region_view(pages, lc.store_dtype)
+    region = region_view(lay, pages, lc.store_dtype)
     H, D = region.shape[1], region.shape[-1]
     K = torch.empty(n, H, D, dtype=lc.dtype, device=pages.device)
     V = torch.empty_like(K)
@@ -233,16 +206,16 @@ def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n:
         slot = (bpos % lc.block_size) // BLOCK_TOKENS
         T = (full - 1) * BLOCK_TOKENS
         for kind, q, out in (("k", lc.k, K), ("v", lc.v, V)):
-            packed = lay.codes_view(pages, kind)[pg, :, slot]  # [nblk, H, code_bytes]
-            enc = Encoded(packed if getattr(q, "packs_blocks", False) else unpack_block_codes(q.codec.layout, packed, D),
+            packed = codes_view(lay, pages, kind)[pg, :, slot]  # [nblk, H, code_bytes]
+            enc = Encoded(packed if q.packs_blocks else unpack_block_codes(q.code_layout, packed, D),
                           None, None)
             if lay.kind_scales_per_row[kind]:  # [nblk, H, 8, P] -> [nblk * 8, H, P]
-                enc.scales = lay.scales_view(pages, kind)[pg, :, slot].transpose(1, 2).reshape(T, H, -1)
+                enc.scales = scales_view(lay, pages, kind)[pg, :, slot].transpose(1, 2).reshape(T, H, -1)
             if lay.mean_bytes:  # the heads' shares [nblk, H, 8, c] -> [nblk * 8, D]
-                share = lay.mean_view(pages, kind, lc.store_dtype)[pg, :, slot].transpose(1, 2)
+                share = mean_view(lay, pages, kind, lc.store_dtype)[pg, :, slot].transpose(1, 2)
                 enc.mean = join_head_mean(share.reshape(T, H, -1), D)
             if lay.outliers:
-                idx, val = lay.outlier_views(pages, kind, lc.store_dtype)
+                idx, val = outlier_views(lay, pages, kind, lc.store_dtype)
                 enc.outlier_idx, enc.outlier_val = idx[pg, :, slot], val[pg, :, slot]
             x = q.decode(enc, T, torch.float32)
             if kind == "k":

@@ -46,7 +46,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import BLOCK_TOKENS
 from . import paged_torch
 from .triton_encode import (
     BLOCK, INTERPRET, SINKS, TEMPORAL, CHANNEL, _round_half, codec_params, page_views, rope_table,

@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import BLOCK_TOKENS, SINK_TOKENS
-from ..layout import KERNEL_CHANNEL_VECTOR, KERNEL_SCALAR, KERNEL_TOKEN_VECTOR, TAIL_SLOT0
+from ..layout import TAIL_SLOT0
+from ..methods import BLOCK_TOKENS, KERNEL_CHANNEL_VECTOR, KERNEL_SCALAR, KERNEL_TOKEN_VECTOR, SINK_TOKENS
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TEMPORAL: tl.constexpr = tl.constexpr(KERNEL_TOKEN_VECTOR)  # the code paths, by CodeLayout.kernel_variant

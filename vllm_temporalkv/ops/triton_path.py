@@ -35,9 +35,8 @@ def supports(lc, pages: torch.Tensor | None = None) -> bool:
     D = lc.layout.head_dim
     device_ok = pages is None or (pages.dtype == torch.uint8 and pages.is_contiguous()
                                   and (pages.device.type == "cuda" or INTERPRET))
-    return (lc.dtype in (torch.bfloat16, torch.float16) and D in (64, 128, 256) and lc.layout.window == 0
-            and lc.k.codec.layout.kernel_variant is not None and lc.v.codec.layout.kernel_variant is not None
-            and lc.k.outliers == lc.layout.outliers == lc.v.outliers and device_ok)
+    return (lc.kernel_blocker is None and lc.dtype in (torch.bfloat16, torch.float16) and D in (64, 128, 256)
+            and device_ok)
 
 
 @dataclasses.dataclass

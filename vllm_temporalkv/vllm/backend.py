@@ -38,13 +38,12 @@ from vllm.v1.attention.backend import (
 )
 
 from .. import ops
-from ..codecs import calibration_free_quantizers
+from ..cache import LayerCache, layer_layout
 from ..formats import BLOCK_TOKENS, FORMATS, FormatError, check_head_dim, get_format
 from ..layout import PageLayout
-from ..ops import paged_torch
 from ..rope import Rope
 from . import compat
-from .plugin import DEFAULT_BLOCK_SIZE, TemporalKVConfigError, load_artifact, logger, serving_options
+from .options import DEFAULT_BLOCK_SIZE, TemporalKVConfigError, load_artifact, logger, serving_options
 
 
 class TemporalKVBackend(AttentionBackend):
@@ -219,31 +218,27 @@ class TemporalKVImpl(AttentionImpl):
         self._dtype = cfg.model_config.dtype
         self._hf_config = cfg.model_config.hf_config
         self._artifact = load_artifact(cfg)  # immutable, cached per (path, model) in the process; None: not needed
-        self._lc: paged_torch.LayerCache | None = None  # this layer's codebooks and page layout
+        self._lc: LayerCache | None = None  # this layer's codebooks and page layout
 
     def page_layout(self, index: int, block_size: int | None = None) -> PageLayout:
         """Layer ``index``'s pages: a mixed format serves each layer as one of its parts (its codebooks, pages,
         kernels).  Also what this layer's KV spec tells vLLM (plugin._record_bytes)."""
-        fmt = get_format(self.kv_cache_dtype)
-        if fmt.mix:
-            fmt = get_format(self._artifact.layer_formats(fmt.name)[index])
-        return PageLayout(fmt, self.head_size, block_size or self._block_size, self._outliers, self._window,
-                          num_kv_heads=self.num_kv_heads, layer=index)
+        return layer_layout(self.kv_cache_dtype, index, head_dim=self.head_size,
+                            block_size=block_size or self._block_size, artifact=self._artifact,
+                            outliers=self._outliers, window=self._window, num_kv_heads=self.num_kv_heads)
 
-    def _layer_cache(self, layer, device) -> paged_torch.LayerCache:
+    def _layer_cache(self, layer, device) -> LayerCache:
         """Built on the first forward, when the layer's name (hence its index) is known."""
         if self._lc is None:
             index = compat.layer_index(layer)
-            layout = self.page_layout(index)
-            fmt = layout.fmt
             # a tensor-parallel rank holds some of the KV heads: their codebooks, not the first ones
-            if self._artifact is None:
-                kq, vq = calibration_free_quantizers(fmt, head_dim=self.head_size, layer=index)
-            else:
-                heads = compat.local_kv_heads(self._artifact.fingerprint["num_kv_heads"], self.num_kv_heads)
-                kq, vq = self._artifact.layer_quantizers(fmt.name, index, outliers=self._outliers, heads=heads,
-                                                         device=device)
-            self._lc = paged_torch.LayerCache(fmt, layout, kq, vq, Rope(self._hf_config, device), self._dtype)
+            heads = (None if self._artifact is None else
+                     compat.local_kv_heads(self._artifact.fingerprint["num_kv_heads"], self.num_kv_heads))
+            self._lc = LayerCache.build(self.kv_cache_dtype, index, head_dim=self.head_size,
+                                        block_size=self._block_size, dtype=self._dtype,
+                                        rope=Rope(self._hf_config, device), num_kv_heads=self.num_kv_heads,
+                                        artifact=self._artifact, outliers=self._outliers, window=self._window,
+                                        heads=heads, device=device)
             self._ops, path = ops.select(self._lc, device)
             if self._batch_invariant:
                 path += ", batch-invariant float64 attention"

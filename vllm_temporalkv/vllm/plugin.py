@@ -1,46 +1,15 @@
 """The ``vllm.general_plugins`` entry point: runs in every vLLM process (API server, engine core,
 workers) before configs are parsed, and makes ``--kv-cache-dtype temporalkv-2bit`` (and the other
-formats) work - leaving every other dtype to vLLM.
-
-Serving options (``--additional-config`` JSON or environment):
-    temporalkv_artifact  / VLLM_TEMPORALKV_ARTIFACT   calibration artifact (default:
-                                                      <model folder>/temporalkv/calibration.safetensors)
-    temporalkv_outliers  / VLLM_TEMPORALKV_OUTLIERS   keep 1% outliers exact (default false)
-    temporalkv_batch_invariant / VLLM_TEMPORALKV_BATCH_INVARIANT
-                                                      outputs independent of chunking and batching
-                                                      (float64 attention on the CPU, ~5x slower;
-                                                      default: vLLM's VLLM_BATCH_INVARIANT)
-    temporalkv_recent_window / VLLM_TEMPORALKV_RECENT_WINDOW
-                                                      the newest tokens kept in half precision, a
-                                                      multiple of 8 (default: the format's - 0 for the
-                                                      codebook formats, 128 for selective-int8/int4,
-                                                      tada-4bit/2bit and qjl)
-Formats that need no calibration (selective-int8 / -int4, tada-4bit / -2bit, qjl) ignore the artifact.
-An unknown ``temporalkv_*`` key or a value that is not a boolean stops the server with the option's name.
+formats) work - leaving every other dtype to vLLM.  Its serving options: options.py.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import logging
-import os
-from pathlib import Path
-
-from ..artifact import ENV_ARTIFACT, Artifact, ArtifactError, default_artifact_path, model_fingerprint
-from ..formats import FORMATS, FormatError, check_window, get_format
-
-logger = logging.getLogger("vllm.temporalkv")  # under vLLM's logger, so its handlers print it
+from ..artifact import ArtifactError
+from ..formats import FORMATS, get_format
+from .options import DEFAULT_BLOCK_SIZE, TemporalKVConfigError, load_artifact, logger, serving_options
 
 BACKEND_PATH = "vllm_temporalkv.vllm.backend.TemporalKVBackend"
-DEFAULT_BLOCK_SIZE = 1024  # large pages amortize the 16 half-precision tokens each page keeps
-ENV_OUTLIERS = "VLLM_TEMPORALKV_OUTLIERS"
-ENV_BATCH_INVARIANT = "VLLM_TEMPORALKV_BATCH_INVARIANT"
-ENV_WINDOW = "VLLM_TEMPORALKV_RECENT_WINDOW"
-
-
-class TemporalKVConfigError(ValueError):
-    """A serving configuration the plugin cannot run correctly."""
 
 
 def register() -> None:
@@ -62,85 +31,6 @@ def is_ours(kv_cache_dtype) -> bool:
 def _record_bytes(attention_layer, index: int, spec) -> int:
     """One layer's page record per KV head, from its own Impl (format, options, artifact: this engine's)."""
     return attention_layer.impl.page_layout(index, spec.block_size).bytes
-
-
-# ---------------------------------------------------------------------------------------------
-# configuration
-
-
-OPTIONS = ("temporalkv_artifact", "temporalkv_outliers", "temporalkv_batch_invariant",
-           "temporalkv_recent_window")  # --additional-config keys
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
-
-
-def _flag(value, where: str) -> bool:
-    """A boolean option: a misspelt value is an error, never a silent false."""
-    if isinstance(value, bool):
-        return value
-    v = str(value).strip().lower()
-    if v in _TRUE or v in _FALSE:
-        return v in _TRUE
-    raise TemporalKVConfigError(f"{where}={value!r} is not a boolean: use true or false (or 1 / 0)")
-
-
-def _option(extra: dict, key: str, env: str, default: str) -> tuple[object, str]:
-    """(value, where it came from, for messages): --additional-config, else the environment, else default."""
-    if key in extra:
-        return extra[key], f"--additional-config {key}"
-    if env in os.environ:
-        return os.environ[env], env
-    return default, key
-
-
-def serving_options(vllm_config) -> dict:
-    extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
-    unknown = sorted(k for k in extra if str(k).startswith("temporalkv") and k not in OPTIONS)
-    if unknown:
-        raise TemporalKVConfigError(f"--additional-config: unknown option(s) {', '.join(unknown)}; the plugin's "
-                                    f"options are {', '.join(OPTIONS)}")
-    model = vllm_config.model_config.model
-    fmt = get_format(vllm_config.cache_config.cache_dtype)
-    path = extra.get("temporalkv_artifact") or os.environ.get(ENV_ARTIFACT)
-    if path is not None and not isinstance(path, (str, os.PathLike)):
-        raise TemporalKVConfigError(f"--additional-config temporalkv_artifact={path!r}: expected a file path (a string)")
-    if not fmt.needs_calibration:
-        path = None
-    elif not path:
-        if not Path(model).is_dir():
-            raise TemporalKVConfigError(
-                f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype} needs a calibration artifact, and "
-                f"model {model!r} is not a local folder to look in; pass "
-                f"--additional-config '{{\"temporalkv_artifact\": \"PATH\"}}' or set {ENV_ARTIFACT}"
-            )
-        path = str(default_artifact_path(model))
-    outliers = _flag(*_option(extra, "temporalkv_outliers", ENV_OUTLIERS, "0"))
-    if outliers and not fmt.needs_calibration:
-        raise TemporalKVConfigError(f"temporalkv_outliers: {fmt.name} keeps no outliers (its scales are per token); "
-                                    "drop the option")
-    invariant = _flag(*_option(extra, "temporalkv_batch_invariant", ENV_BATCH_INVARIANT,
-                               os.environ.get("VLLM_BATCH_INVARIANT", "0")))
-    value, where = _option(extra, "temporalkv_recent_window", ENV_WINDOW, str(fmt.window))
-    try:
-        window = check_window(value, vllm_config.cache_config.block_size, where)
-    except FormatError as e:
-        raise TemporalKVConfigError(str(e)) from None
-    return {"format": fmt.name, "artifact": path, "outliers": outliers, "batch_invariant": invariant,
-            "window": window, "model": model}
-
-
-@functools.lru_cache(maxsize=4)
-def _load(path: str, fingerprint_json: str, fmt: str, model: str) -> Artifact:
-    return Artifact.load(path, expect=json.loads(fingerprint_json), formats=[fmt], model_hint=model)
-
-
-def load_artifact(vllm_config) -> Artifact | None:
-    """The artifact for this server, checked against the model (cached per process); None for a format
-    that needs no calibration."""
-    opts = serving_options(vllm_config)
-    if opts["artifact"] is None:
-        return None
-    fp = json.dumps(model_fingerprint(vllm_config.model_config.hf_config), sort_keys=True)
-    return _load(opts["artifact"], fp, opts["format"], opts["model"])
 
 
 def _check_model(vllm_config) -> None:
