@@ -17,7 +17,8 @@ import dataclasses
 import torch
 
 from vllm_temporalkv.codecs.tada import CANDIDATE_BITS, TadaQuantizer, search_layer_bits
-from vllm_temporalkv.formats import TADA_WINDOW, get_format
+from vllm_temporalkv.formats import get_format
+from vllm_temporalkv.methods import TADA_WINDOW
 from vllm_temporalkv.layout import bits_per_float
 
 # name -> (method, average bits of the compressed values)
