@@ -326,13 +326,15 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[1])) if rows > t.shape[1] else t
 
 
-def _flash_band(qh, kk, vv, scale: float, offset: int, window: int = 0, exact: bool = False, key0: int = 0):
+def _flash_band(qh, kk, vv, scale: float, offset: int, window: int = 0, exact: bool = False, key0: int = 0,
+                keys_n: int | None = None):
     """Queries qh [H, Tq, D] at positions offset.. over the keys kk / vv [H, n - key0, D] (positions key0..n-1,
     n >= offset + Tq) that each query sees decoded (``exact`` False: those before its window, ``_window_start``;
     key0 0) or exactly (True: the window up to itself; key0 at most the first query's window start, rounded down
-    to _KV_BLOCK): (o, lse); lse = -inf and o = 0 for queries that see none."""
+    to _KV_BLOCK): (o, lse); lse = -inf and o = 0 for queries that see none.  ``keys_n``: the keys are the first
+    keys_n rows of kk / vv, zero rows after them (padding the caller made in its one copy: none here then)."""
     H, tq, D = qh.shape
-    n = key0 + kk.shape[1]
+    n = key0 + (kk.shape[1] if keys_n is None else keys_n)
     op = _CPU_FLASH
     if op is not None and qh.device.type == "cpu":
         # fused, shaped to whole blocks (see _KV_BLOCK), queries in groups of _KV_BLOCK positions aligned to
@@ -353,6 +355,7 @@ def _flash_band(qh, kk, vv, scale: float, offset: int, window: int = 0, exact: b
             o[:, a - offset:b - offset], lse[:, a - offset:b - offset] = og[0, :, :b - a], lg[0, :, :b - a]
             a = b
     else:  # plain matmuls
+        kk, vv = kk[:, :n - key0], vv[:, :n - key0]
         s = (qh @ kk.transpose(1, 2)).mul_(scale) + _band_mask(offset, tq, tq, key0, n - key0, window, exact,
                                                                str(qh.device))
         lse = torch.logsumexp(s, -1)
@@ -386,12 +389,20 @@ def _attend_fast(q, k_exact, v_exact, k_dec, v_dec, scale, offset, window: int =
     dev = q.device
     qh = q.to(f).transpose(0, 1).contiguous()  # [Hq, Tq, D]
 
-    def heads(t):  # [Tk, Hkv, D] -> [Hq, Tk, D]: each KV head once per query head of its group
-        return t.to(f).transpose(0, 1).repeat_interleave(g, 0)
+    def heads(t, rows: int = 0):
+        """[Tk, Hkv, D] -> [Hq, max(Tk, rows), D] float32: each KV head once per query head of its group, zero rows
+        past Tk - one copy (the flash passes read whole _KV_BLOCKs of keys)."""
+        Tk = t.shape[0]
+        out = torch.empty(Hkv, g, max(Tk, rows), D, dtype=f, device=dev)
+        out[:, :, :Tk] = t.transpose(0, 1)[:, None]
+        out[:, :, Tk:] = 0
+        return out.view(Hkv * g, -1, D)
 
     # the decoded keys before the last query's own block (none: all queries in block 0, one dummy key)
     kend = max(int(_window_start(torch.tensor(n - 1), window)), 1)
-    o, lse = _flash_band(qh, heads(k_dec[:kend]), heads(v_dec[:kend]), scale, offset, window)
+    whole = -(-kend // _KV_BLOCK) * _KV_BLOCK
+    o, lse = _flash_band(qh, heads(k_dec[:kend], whole), heads(v_dec[:kend], whole), scale, offset, window,
+                         keys_n=kend)
     if window:  # the exact pass reads only the keys from the first query's window on (whole _KV_BLOCKs)
         s0 = int(_window_start(torch.tensor(offset), window)) // _KV_BLOCK * _KV_BLOCK
         oe, lsee = _flash_band(qh, heads(k_exact[s0:n]), heads(v_exact[s0:n]), scale, offset, window, exact=True,
