@@ -15,7 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
         ".safetensors artifact (Fisher-weighted k-means on pre-RoPE K and V).",
     )
     p.add_argument("--model", default=None,
-                   help="HF hub id, local HF folder, or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+                   help="HF hub id, local HF folder, .gguf file, or an embedded model: smollm2 (the default, "
+                        "SmolLM2-135M-Instruct) | qwen2.5-coder-1.5b (Qwen2.5-Coder-1.5B-Instruct, fetched once)")
     p.add_argument("--data", default="wiki-leads",
                    help="calibration text: wiki-leads | brown | austen | a .txt file or folder | hf:<dataset>[:config[:split]]")
     p.add_argument("--formats", nargs="+", default=["all"], metavar="FORMAT",
