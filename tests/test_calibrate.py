@@ -152,6 +152,24 @@ def test_collected_store_reads_a_layer_in_window_order(smollm2_dir, tmp_path):
             assert torch.equal(a[kv], acts[layer][kv]) and torch.equal(g[kv], grads[layer][kv])
 
 
+def test_low_memory_collection_matches(smollm2_dir, monkeypatch):
+    """--low-memory (decoder layers checkpointed, the LM loss a chunk of tokens at a time): the same K / V, and
+    gradients equal to float rounding (bit-identical on this machine, for SmolLM2 and Qwen2.5-1.5B); the
+    model is left as it was; its collection is another run's (the layout name in the run key)."""
+    from vllm_temporalkv.calibration import collect
+
+    model = load_hf_model(smollm2_dir, attn_implementation="sdpa")
+    ids = torch.randint(100, 4000, (2, 150), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(collect, "LOSS_CHUNK", 64)  # 149 next-token losses: three chunks
+    a0, g0 = collect.collect_kv_grads(model, ids, progress=False)
+    a1, g1 = collect.collect_kv_grads(model, ids, progress=False, low_memory=True)
+    for layer in (0, 15, 29):
+        for kv in "kv":
+            assert torch.equal(a0[layer][kv], a1[layer][kv])
+            torch.testing.assert_close(g1[layer][kv], g0[layer][kv], rtol=1e-5, atol=1e-7)
+    assert all("forward" not in vars(layer) for layer in model.model.layers)  # the checkpointing is undone
+
+
 def test_cli_rejects_bad_format(capsys):
     from vllm_temporalkv.calibration.cli import main
 

