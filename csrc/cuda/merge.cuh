@@ -42,29 +42,14 @@ __device__ __forceinline__ void merge_body(const MergeParams& p) {
     const int nsink = pos < SINKS ? pos : SINKS;
     const int ntail = pos >= SINKS ? pos - cend : 0;
     const int ne = nsink + ntail + 1;
-    float sc[2 * BLOCK];  // at most 8 sinks + 7 tail tokens + the new one; unrolled: registers, no stack
-    float mx = -INFINITY;
-#pragma unroll
-    for (int e = 0; e < 2 * BLOCK; ++e) {
-      sc[e] = -INFINITY;
-      if (e < ne) {
-        const uint16_t* kr = e < nsink + ntail ? exact_row_d<D>(p, btr, h, e, nsink, cend, 0)
-                                               : p.knew + (int64_t(r) * p.H + h) * D;
-        float d = 0.f;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) d += q[i] * HT::to_float(kr[lane + 32 * i]);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-        sc[e] = d;
-        mx = fmaxf(mx, d);
-      }
-    }
+    // the splits first (their maxima and normalized sums, V denormalized here), then the exact rows online
     const float* ml = p.part_ml + ((int64_t(r) * p.H + h) * p.S * GQP + g) * 2;
+    const float* pa = p.part_acc + ((int64_t(r) * p.H + h) * p.S * GQP + g) * D;
+    float mx = -INFINITY;
     for (int s = 0; s < p.S; ++s) mx = fmaxf(mx, ml[s * GQP * 2]);
     float acc[PER], l = 0.f;
 #pragma unroll
     for (int i = 0; i < PER; ++i) acc[i] = 0.f;
-    const float* pa = p.part_acc + ((int64_t(r) * p.H + h) * p.S * GQP + g) * D;
     for (int s = 0; s < p.S; ++s) {
       const float ms = ml[s * GQP * 2], ls = ml[s * GQP * 2 + 1];
       if (ms == -INFINITY) continue;
@@ -76,16 +61,21 @@ __device__ __forceinline__ void merge_body(const MergeParams& p) {
         acc[i] += w * (pa[s * GQP * D + c] * p.vstd[h * D + c] + ls * p.vmean[h * D + c]);
       }
     }
+    for (int e = 0; e < ne; ++e) {  // at most 8 sinks + 7 tail tokens + the new one
+      const bool region = e < nsink + ntail;
+      const uint16_t* kr = region ? exact_row_d<D>(p, btr, h, e, nsink, cend, 0) : p.knew + (int64_t(r) * p.H + h) * D;
+      const uint16_t* vr = region ? exact_row_d<D>(p, btr, h, e, nsink, cend, 1) : p.vnew + (int64_t(r) * p.H + h) * D;
+      float d = 0.f;
 #pragma unroll
-    for (int e = 0; e < 2 * BLOCK; ++e) {
-      if (e < ne) {
-        const uint16_t* vr = e < nsink + ntail ? exact_row_d<D>(p, btr, h, e, nsink, cend, 1)
-                                               : p.vnew + (int64_t(r) * p.H + h) * D;
-        const float w = exp2f(sc[e] - mx);
-        l += w;
+      for (int i = 0; i < PER; ++i) d += q[i] * HT::to_float(kr[lane + 32 * i]);
 #pragma unroll
-        for (int i = 0; i < PER; ++i) acc[i] += w * HT::to_float(vr[lane + 32 * i]);
-      }
+      for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+      const float mn = fmaxf(mx, d);
+      const float a = exp2f(mx - mn), w = exp2f(d - mn);  // mx = -inf (no split): a = 0
+      l = l * a + w;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) acc[i] = acc[i] * a + w * HT::to_float(vr[lane + 32 * i]);
+      mx = mn;
     }
     const float inv = 1.f / l;
 #pragma unroll

@@ -552,6 +552,9 @@ def paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, blo
             for split in range(S):
                 lo = split * L.tiles_per_split
                 hi = min(lo + L.tiles_per_split, n_tiles)
+                if lo >= hi:  # no tile: the CTA writes an empty partial (max -inf, sum 0)
+                    part_ml[r, h, split, :, 0] = NEG_INF
+                    continue
                 sm = Smem(plan.bytes, stats)
                 sm.write(tabK, kcb_s[h])
                 sm.write(tabV, vcb_s[h])
@@ -764,14 +767,19 @@ def _merge(lc, v, L, T, pages, bt, query, key, value, lens, part_acc, part_ml, q
             rows_k.append(key[r, h].to(lc.dtype))
             rows_v.append(value[r, h].to(lc.dtype))
             Ke, Ve = torch.stack(rows_k).float(), torch.stack(rows_v).float()
-            for g in range(GQ):
+            for g in range(GQ):  # the splits, then the exact rows online (tkv_merge's order)
                 q = query[r, h * GQ + g].float() * qscale
-                sc = Ke @ q
                 ms, ls = part_ml[r, h, :, g, 0], part_ml[r, h, :, g, 1]
-                mx = max(float(sc.max()), float(ms.max()))
+                mx = float(ms.max())
                 w = torch.where(ms == NEG_INF, torch.zeros(()), torch.exp2(ms - mx))
                 acc = (w[:, None] * (part_acc[r, h, :, g] * T.vstd[h] + ls[:, None] * T.vmean[h])).sum(0)
-                we = torch.exp2(sc - mx)
-                acc = acc + we @ Ve
-                out[r, h * GQ + g] = (acc / (float((w * ls).sum()) + float(we.sum()))).to(lc.dtype)
+                lsum = float((w * ls).sum())
+                for e in range(Ke.shape[0]):
+                    d = float(Ke[e] @ q)
+                    mn = max(mx, d)
+                    a, we = math.exp2(mx - mn) if mx != NEG_INF else 0.0, math.exp2(d - mn)
+                    lsum = lsum * a + we
+                    acc = acc * a + we * Ve[e]
+                    mx = mn
+                out[r, h * GQ + g] = (acc / lsum).to(lc.dtype)
     return out

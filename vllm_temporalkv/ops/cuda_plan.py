@@ -204,7 +204,9 @@ def smem_plan(v: Variant, units: int) -> SmemPlan:
         off_q = off
         off += GQP * v.d * 4
     merge = units * GQP * (v.d + 2) * 4
-    off_merge = off_stage if merge <= off - off_stage else off  # alias the stages once every unit is done
+    # the merge area may alias the stages and score exchanges (idle once every unit is done), never the outlier
+    # buffers: the loop that writes it still reads each warp's V corrections
+    off_merge = off_stage if merge <= off_pbuf - off_stage else off
     end = max(off, off_merge + merge)
     return SmemPlan(units, warps * 32, stage_bytes, off_stage, off_xchg, off_pbuf, off_corr, off_q, off_merge,
                     _align(end))
