@@ -388,3 +388,44 @@ def test_shared_memory_plan_regions_do_not_overlap(v):
         end_safe = p.off_pbuf if v.outliers else max(a + n for a, n in regions)
         assert p.off_merge + merge <= end_safe or p.off_merge >= max(a + n for a, n in regions), (units, p)
         assert p.off_merge + merge <= p.bytes
+
+
+def test_cuda_path_forward_with_the_emulator_as_the_kernel(monkeypatch):
+    """ops.cuda_path.forward (what the backend calls when the CUDA decode serves) on mixed steps - prefill chunks,
+    decodes after a chunk (gathered), decodes first (a slice), decode-only steps (one launch) - with the CPU
+    emulator standing in for the CUDA launch: the torch path's outputs, its pages bit for bit, every decode row
+    through the stand-in."""
+    from tests.test_triton_kernels import H, GQ, _randn
+    from vllm_temporalkv.ops import cuda, cuda_path
+
+    calls = []
+
+    def emulated(lc, pages, query, key, value, qsl, seq_lens, block_tables, scale, out=None, **kw):
+        calls.append(query.shape[0])
+        res = emu.paged_attention(lc, pages, query, key, value, qsl, seq_lens, block_tables, scale, **kw).out
+        if out is None:
+            return res
+        out.copy_(res)
+        return out
+
+    monkeypatch.setattr(cuda, "paged_attention", emulated)
+    case = ("temporalkv-2bit", 64, True, torch.bfloat16, 1)
+    lens = [40, 23, 9]
+    lc, pages, tables, kv, _ = _decode_setup(case, [n + 10 for n in lens], block_size=16, seed=5)
+    ref = pages.clone()
+    g = torch.Generator().manual_seed(6)
+    steps = [{0: (0, 17), 1: (0, 22), 2: (0, 9)}, {1: (22, 23), 2: (9, 10), 0: (17, 40)},
+             {0: (40, 41), 1: (23, 24), 2: (10, 11)}, {0: (41, 42), 2: (11, 12), 1: (24, 25)},
+             {0: (42, 47), 1: (25, 26), 2: (12, 13)}]
+    for step in steps:
+        key, val, pos, pid = _batch(kv, step, tables, lc.block_size)
+        q = _randn(g, key.shape[0], H * GQ, 64).to(lc.dtype)
+        qsl = torch.tensor([0] + [b - a for a, b in step.values()]).cumsum(0)
+        sl = torch.tensor([b for _, b in step.values()])
+        bt = tables[list(step)]
+        want = reference.forward(lc, ref, q, key, val, qsl, sl, bt, pos, pid, 0.125, batch_invariant=False)
+        plan = cuda_path.plan_step(qsl, sl, pages.device)
+        got = cuda_path.forward(lc, pages, q, key, val, qsl, sl, bt, pos, pid, 0.125, batch_invariant=False, plan=plan)
+        assert (got.float() - want.float()).abs().max() <= _tol(lc.dtype) * max(1.0, want.float().abs().max().item())
+        assert torch.equal(pages, ref), step
+    assert calls == [2, 3, 3, 2]  # step 2's decodes first (a slice), 3 and 4 uniform, step 5's two after a chunk

@@ -390,6 +390,11 @@ def build_all(a, dry: bool) -> dict:
     variants |= {P.Variant(0, l, 0, l, 128, False, True) for l in (2, 4, 8)}  # the timed formats
     cap = (9, 0) if dry else torch.cuda.get_device_capability()
     out = {}
+    if not dry and cuda.find_nvcc():  # nvcc in parallel first (the box has 16 cores); loading then hits the cache
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as ex:
+            list(ex.map(lambda v: _try(cuda.build, v, cap), variants))
     for v in sorted(variants, key=lambda v: v.name):
         t = time.time()
         try:
@@ -402,6 +407,13 @@ def build_all(a, dry: bool) -> dict:
             out[v.name] = dict(error=f"{type(e).__name__}: {e}")
         print(f"build {v.name}: {json.dumps(out[v.name])}")
     return out
+
+
+def _try(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - build_all reports it when loading the variant
+        return e
 
 
 def ncu_one(a) -> int:

@@ -29,6 +29,7 @@ from ..methods import BLOCK_TOKENS as BLOCK, KERNEL_CHANNEL_VECTOR as CHANNEL, K
 from ..methods import KERNEL_TOKEN_VECTOR as TEMPORAL, SINK_TOKENS as SINKS
 
 TILE, GQP, SLICE = P.TILE, P.GQP, P.SLICE
+OPS: collections.Counter = collections.Counter()  # warp instructions the emulated program issues, by kind
 LANE = torch.arange(32, dtype=torch.int64)
 NL, JL = LANE >> 2, LANE & 3  # the mma groupID / threadID_in_group of each lane
 NEG_INF = float("-inf")
@@ -97,11 +98,13 @@ def pack_h2(a, b):
 
 
 def hfma2(a, b, c):
+    OPS["hfma2"] += 1
     (a0, a1), (b0, b1), (c0, c1) = _h(a), _h(b), _h(c)
     return pack_h2(a0 * b0 + c0, a1 * b1 + c1)
 
 
 def hmul2(a, b):
+    OPS["hmul2"] += 1
     (a0, a1), (b0, b1) = _h(a), _h(b)
     return pack_h2(a0 * b0, a1 * b1)
 
@@ -120,6 +123,7 @@ def high2half2(a):
 
 def prmt(a, b, sel):
     """__byte_perm: result byte i = byte (sel nibble i & 7) of (a, b)."""
+    OPS["prmt"] += 1
     x = (b.to(torch.int64) << 32) | a.to(torch.int64)
     sel = torch.as_tensor(sel, dtype=torch.int64)
     out = torch.zeros_like(x)
@@ -140,6 +144,7 @@ def half_bits_to_float(u, bf16: bool):
 
 def mma16816(d, a, b0, b1):
     """d [32, 4] float32 += A B for A fragments a (4 registers [32]) and B fragments b0, b1."""
+    OPS["mma"] += 1
     g, t = NL, JL
     A = torch.zeros(16, 16)
     for r, (dr, dc) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
@@ -156,6 +161,7 @@ def mma16816(d, a, b0, b1):
 
 
 def movmatrix_trans(x):
+    OPS["movmatrix"] += 1
     M = torch.zeros(8, 8)
     lo, hi = _h(x)
     M[NL, 2 * JL], M[NL, 2 * JL + 1] = lo, hi
@@ -164,6 +170,7 @@ def movmatrix_trans(x):
 
 
 def shfl_xor(x, o):
+    OPS["shfl"] += 1
     return x[LANE ^ o]
 
 
@@ -206,6 +213,7 @@ class Smem:
         act = torch.ones(32, dtype=torch.bool) if active is None else torch.as_tensor(active).expand(32)
         st = self.stats.setdefault(site, LoadStats())
         w, i = wavefronts(addr.tolist(), size, act.tolist())
+        OPS[f"lds{size}"] += 1
         st.instructions += 1
         st.wavefronts += w
         st.ideal += i
@@ -457,6 +465,7 @@ def v_unskew(v, vd):
     if not v.vskew:
         return vd
     b0, b1 = (JL & 1).bool(), (JL & 2).bool()
+    OPS["sel"] += 32  # two select layers over 16 registers
     out = [[None] * 4 for _ in range(4)]
     for q in range(4):
         t = [torch.where(b0, vd[s ^ 1][q], vd[s][q]) for s in range(4)]
@@ -485,6 +494,8 @@ class Result:
     out: torch.Tensor  # [R, HQ, D] in the model dtype
     stats: dict[str, LoadStats]  # per load site, over every warp of the launch
     launch: P.Launch
+    ops: dict[str, int] = dataclasses.field(default_factory=dict)  # emulated warp instructions by kind
+    warp_tiles: int = 0  # (warp, tile) pairs the decode kernel ran
 
 
 def _f16_codebook_bytes(v: P.Variant, kind: str, cb: torch.Tensor) -> torch.Tensor:
@@ -511,6 +522,7 @@ def paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, blo
     """Emulate ops.cuda.paged_attention on CPU tensors (decode: one query token per request)."""
     R, HQ, D = query.shape
     lay = lc.layout
+    OPS.clear()
     cap_tokens = block_tables.shape[1] * lay.block_size
     L = P.make_launch(lc, R, HQ, cap_tokens, sms=sms, splits=splits, units=units, vskew=vskew)
     v, plan = L.variant, L.plan
@@ -570,8 +582,10 @@ def paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, blo
                     part_acc[r, h, split, g] = sum(w[u] * unit_res[u][2][g] for u in range(plan.units))
                     part_ml[r, h, split, g, 0] = M
                     part_ml[r, h, split, g, 1] = float(sum(w[u] * unit_res[u][1][g] for u in range(plan.units)))
+    ops = dict(OPS)  # the decode kernel's (the merge kernel's exact rows are plain torch here)
+    warp_tiles = ops.pop("_warp_tiles", 0)
     out = _merge(lc, v, L, T, pages, bt, query, key, value, lens, part_acc, part_ml, qscale)
-    return Result(out, stats, L)
+    return Result(out, stats, L, ops, warp_tiles)
 
 
 def _unit(v, plan, L, T, sm, pages, bt, r, h, unit, lo, hi, cend, tabK, tabV, kcb_b, vcb_b, kconsts, qh, qs,
@@ -604,6 +618,7 @@ def _unit(v, plan, L, T, sm, pages, bt, r, h, unit, lo, hi, cend, tabK, tabV, kc
                 flat[a + lay.v_codes + slot * vcb_b: a + lay.v_codes + (slot + 1) * vcb_b]
         outl = _outlier_entries(L, lay, flat, bt, r, h, t0, cend, v.bf16) if v.outliers else []
         stK, stV = cur, cur + 4 * kcb_b
+        OPS["_warp_tiles"] += WPT
         xs = torch.zeros(WPT, 32, 8)
         for u in range(WPT):
             kk = kconsts[(h, u)]
