@@ -6,6 +6,9 @@
 #   bash benchmarks/gpu/h100.sh add PARTDIR       one more part of the vLLM 0.26 bundle (../shared/tools/gpu-vllm)
 #   bash benchmarks/gpu/h100.sh vllm PARTDIR SHA  the last part, install, benchmarks.throughput (dummy 8B shape;
 #                                                TP_FORMATS, TP_SHAPES override the formats and IN-OUT:PROMPTS)
+#   bash benchmarks/gpu/h100.sh cuda             issue 32's CUDA decode kernel: layout probe, nvcc builds, checks
+#                                                against the oracle (poisoned output, emulator, CUDA graph), timings
+#                                                beside Triton / SDPA / fp16 paged (CUDA_ARGS extends them), ncu
 # carry: .whl (fast-pytorch-kmeans), .gpu-vllm/cN (a part each; the last also on-device.sh, vllm_cli.py and
 # SmolLM2's tokenizer in l8b/ beside the Llama-3.1-8B-shaped config.json).  Results land in $OUT.
 set -uo pipefail
@@ -36,6 +39,18 @@ sweep)  # launch settings of the decode kernel (benchmarks/gpu/decode_sweep.py)
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
   timeout ${SWEEP_S:-280} python3 -m benchmarks.gpu.decode_sweep ${SWEEP_ARGS:-} --out $OUT/decode_sweep.json 2>&1 | tee $OUT/decode_sweep.log ;;
 add) add_part "$parts" ;;
+cuda)  # issue 32 (benchmarks/gpu/cuda_decode.py; CPU dry run of the same: --dry-run)
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee $OUT/gpu.txt
+  export VLLM_TEMPORALKV_CUDA_CACHE=${VLLM_TEMPORALKV_CUDA_CACHE:-/tmp/tkv-cuda-cache}
+  timeout ${CUDA_S:-360} python3 -m benchmarks.gpu.cuda_decode --out $OUT/cuda ${CUDA_ARGS:-} 2>&1 | tee $OUT/cuda.log
+  rc=${PIPESTATUS[0]}
+  if command -v ncu >/dev/null && [ "$rc" != 124 ]; then  # shared-memory wavefronts / bank conflicts of one launch
+    timeout 150 ncu --kernel-name tkv_decode --launch-skip 1 --launch-count 1 --metrics \
+      l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,\
+smsp__sass_inst_executed_op_shared_ld.sum,dram__bytes_read.sum,gpu__time_duration.sum \
+      python3 -m benchmarks.gpu.cuda_decode --out $OUT/cuda --ncu-one temporalkv-2bit:8:32768 2>&1 | tee $OUT/ncu.txt
+  fi
+  exit $rc ;;
 vllm)
   add_part "$parts" && bash "$parts"/on-device.sh install "${3:?sha256}" 2>&1 | tail -3 || exit 1
   export PYTHONPATH=/root/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0

@@ -9,7 +9,8 @@
 ``paged_torch`` (plain torch) is the oracle and the fallback everywhere; ``cpu`` runs the C++ kernels
 of csrc/; ``triton_path`` runs the Triton kernels (``triton_encode`` / ``triton_decode``) on CUDA, and on the
 CPU in Triton's interpreter when asked (``VLLM_TEMPORALKV_OPS=triton`` with ``TRITON_INTERPRET=1``: how CI tests
-the wiring without a GPU).  ``select`` picks one per layer cache.
+the wiring without a GPU); ``cuda_path`` is the Triton path with the decode on the CUDA kernel of csrc/cuda,
+only when asked (``VLLM_TEMPORALKV_CUDA_DECODE=1``: not yet run on a GPU).  ``select`` picks one per layer cache.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 from types import ModuleType
 
 ENV_PATH = "VLLM_TEMPORALKV_OPS"  # "torch" forces the torch path (a diagnostic / the oracle); "triton" the Triton one
+ENV_CUDA_DECODE = "VLLM_TEMPORALKV_CUDA_DECODE"  # "1": decode on the CUDA kernel (csrc/cuda) where it can serve
 
 
 def _triton(lc):
@@ -45,6 +47,15 @@ def select(lc, device) -> tuple[ModuleType, str]:
         if forced == "triton" and dev != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             return paged_torch, f"torch ({ENV_PATH}=triton without a GPU needs TRITON_INTERPRET=1)"
         mod, why = _triton(lc)
+        if mod is not None and dev == "cuda" and os.environ.get(ENV_CUDA_DECODE) == "1":
+            from . import cuda  # imported only when asked
+
+            why = cuda.prepare(lc, device)
+            if why is None:
+                from . import cuda_path
+
+                return cuda_path, f"{cuda_path.mode()} ({ENV_CUDA_DECODE}=1)"
+            return mod, f"Triton ({mod.mode()}); {ENV_CUDA_DECODE}=1 but the CUDA decode cannot serve: {why}"
         if mod is not None:
             return mod, f"Triton ({mod.mode()})"
         return paged_torch, f"torch ({why})"

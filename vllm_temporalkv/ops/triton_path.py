@@ -22,7 +22,7 @@ import dataclasses
 import torch
 
 from . import paged_torch
-from .triton_decode import gather_kv, paged_attention as decode_attention
+from .triton_decode import gather_kv, paged_attention as _triton_decode_attention
 from .triton_encode import INTERPRET, write_kv
 
 
@@ -100,10 +100,12 @@ def plan_step(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, device, tab
 def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
             positions: torch.Tensor, page_ids: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-            batch_invariant: bool = True, plan: StepPlan | None = None) -> torch.Tensor:
+            batch_invariant: bool = True, plan: StepPlan | None = None, decode=None) -> torch.Tensor:
     """Twin of ``paged_torch.forward``.  ``query_start_loc`` and ``seq_lens`` are the metadata builder's host
     tensors; ``plan`` (``plan_step`` of them, built once per step by the backend) says which requests decode
-    and holds their device copies (made here when absent)."""
+    and holds their device copies (made here when absent); ``decode``: another launcher of the decode
+    attention with ``triton_decode.paged_attention``'s signature (the CUDA kernel: ops/cuda_path.py)."""
+    decode_attention = decode or _triton_decode_attention
     if batch_invariant or not supports(lc, pages):
         return paged_torch.forward(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables,
                                    positions, page_ids, scale, out, batch_invariant)
