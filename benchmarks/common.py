@@ -84,7 +84,7 @@ def model_dtype(requested: str | None) -> str:
         return requested
     import torch
 
-    from vllm_temporalkv.vllm.cpu_tuning import default_dtype
+    from vllm_temporalkv.cpu_tuning import default_dtype
 
     return (None if torch.cuda.is_available() else default_dtype()) or "bfloat16"
 
