@@ -33,18 +33,12 @@ from pathlib import Path
 
 import torch
 
+from vllm_temporalkv.harness.artifacts import load_all
+
 from .common import HEADLINE, RESULTS, merge_headline, run_record, write_json
 
 
 # ---- the file ------------------------------------------------------------------------------------
-def load_all(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Every tensor and the metadata of a safetensors file."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
-
-
 def _save(tensors: dict[str, torch.Tensor], meta: dict[str, str], *, rehash: bool) -> bytes:
     """The safetensors bytes of (tensors, meta); rehash: with the checksum recomputed for them."""
     from safetensors.torch import save

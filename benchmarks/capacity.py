@@ -24,9 +24,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from vllm_temporalkv.formats import FORMATS
+from vllm_temporalkv.harness.server import CAPACITY_RE, VLLMServer
 
 from .common import RESULTS, merge_headline, run_record, write_json
-from .vllm_server import CAPACITY_RE, VLLMServer
 
 
 def measure(model: str, dtype: str, kv_space_gib: int, max_len: int, extra: list[str], timeout: float = 900) -> dict:

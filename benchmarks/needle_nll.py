@@ -24,9 +24,9 @@ from .common import RESULTS, run_record, write_json
 def run(args) -> dict:
     from vllm_temporalkv.artifact import Artifact, default_artifact_path
     from vllm_temporalkv.formats import get_format
+    from vllm_temporalkv.harness.simulate import _ACTIVE, Simulator, parse_config, token_nlls
     from vllm_temporalkv.models import load_hf_model, load_tokenizer, resolve_model
 
-    from .quality import _ACTIVE, Simulator, parse_config, token_nlls
     from .retrieval import _NEEDLE, SuiteBuilder
 
     model_dir = resolve_model(args.model)

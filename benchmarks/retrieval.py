@@ -416,9 +416,8 @@ def _ci(x) -> str:
 
 # ---------------------------------------------------------------- the runner
 def serve_and_score(model: str, fmt: str, samples: list[Sample], args, on_record=None) -> dict:
-    from .vllm_server import VLLMServer
-
     from vllm_temporalkv.formats import FORMATS
+    from vllm_temporalkv.harness.server import VLLMServer
 
     # "<format>-o1": the plugin's format with 1% exact outliers (the artifact holds the thresholds);
     # "<format>@windowN": with a recent window of N half-precision tokens (temporalkv_recent_window)

@@ -41,8 +41,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_temporalkv.harness.server import VLLMServer
+
 from .common import DTYPE_HELP, RESULTS, merge_headline, model_dtype, run_record, write_json
-from .vllm_server import VLLMServer
 
 MODEL = "smollm2"
 TOL = 0.1  # |d logprob| the project documents for vLLM's CPU GEMMs under other batch shapes (0.03 seen)
@@ -430,8 +431,9 @@ async def parallel_check(args, fmt: str, configs: list[str], ids: list[int]) -> 
 
     from vllm_temporalkv.models import resolve_model
 
+    from vllm_temporalkv.harness.server import ServerFailed
+
     from .throughput import _error_line
-    from .vllm_server import ServerFailed
 
     dtype = model_dtype(args.dtype)
     prompts = [Req(40_000 + i, "greedy", ids[5000 + 3000 * i: 5000 + 3000 * i + n], 24)

@@ -7,41 +7,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.artifact_fuzz import load_all
-from vllm_temporalkv.calibration import codebook_keys
+from tests.helpers import CFG, FORMATS, synthetic_artifact
 from vllm_temporalkv.artifact import (DIGEST_KEY, SCHEMA_VERSION, Artifact, ArtifactError, content_digest,
                                       model_fingerprint)
-from vllm_temporalkv.codecs import make_codec
-from vllm_temporalkv.codecs.quantizer import ChannelStats
-from vllm_temporalkv.formats import get_format, parse_codebook_key
-
-CFG = {
-    "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "hidden_size": 64, "vocab_size": 100,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-}
-FORMATS = ["temporalkv-2bit", "channelkv-1bit", "kvquant-2bit"]
-
-
-def synthetic_artifact(cfg=CFG, formats=FORMATS) -> Artifact:
-    fp = model_fingerprint(cfg)
-    H, D, L = fp["num_kv_heads"], fp["head_dim"], fp["num_layers"]
-    g = torch.Generator().manual_seed(0)
-    stats = {(i, kv): ChannelStats(torch.randn(H, D, generator=g), torch.rand(H, D, generator=g) + 0.5,
-                                   -torch.ones(H, D) * 3, torch.ones(H, D) * 3)
-             for i in range(L) for kv in "kv"}
-    books = {}
-    for key in codebook_keys(formats):
-        shape = make_codec(*parse_codebook_key(key)).codebook_shape(H, D)
-        for i in range(L):
-            for kv in "kv":
-                books[(i, kv, key)] = torch.randn(shape, generator=g).half()
-    methods = {}
-    for f in formats:
-        fmt = get_format(f)
-        m = ["channel", "temporal"] if fmt.hybrid else [fmt.method] * L
-        methods[f] = {"k": m, "v": [fmt.method] * L}
-    return Artifact(fp, formats, methods, {"data": "synthetic"}, stats, books, {})
+from vllm_temporalkv.harness.artifacts import load_all
 
 
 @pytest.fixture

@@ -44,8 +44,8 @@ def test_runner_end_to_end(tmp_path, tiny_artifact):
 def test_synthetic_artifact_fits_a_dummy_weight_model(tmp_path):
     """--synthetic-artifact: random codebooks shaped for a model folder's config (the GPU box's dummy
     Llama-3.1-8B shape), which the plugin's loader accepts for that model and refuses for another."""
-    from benchmarks.throughput import synthetic_artifact
     from vllm_temporalkv.artifact import Artifact, ArtifactError, model_fingerprint
+    from vllm_temporalkv.harness.artifacts import synthetic_artifact
 
     cfg = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 3, "num_attention_heads": 8,
            "num_key_value_heads": 2, "hidden_size": 512, "head_dim": 64, "vocab_size": 1000,
