@@ -35,7 +35,7 @@ import torch
 
 from vllm_temporalkv.artifact import Artifact, model_fingerprint
 
-from .common import RESULTS, merge_headline, run_record, write_json
+from .common import add_headline_arg, add_out_arg, merge_headline, run_record, write_json
 
 FORMATS = ("temporalkv-2bit", "temporalkv-1bit")
 
@@ -309,9 +309,9 @@ def main(argv=None):
     p.add_argument("--nll-splits", nargs="*", default=["heldout"], choices=("calibration", "heldout"),
                    help="where to measure per-window NLL (each split costs ~25 s per window and configuration on 2 CPU cores)")
     p.add_argument("--cache", default=None, help="a folder to keep the collected K/V + gradients in between runs")
-    p.add_argument("--no-headline", action="store_true", help="do not merge into headline.json")
+    add_headline_arg(p)
     p.add_argument("--tag", default=None, help="write fisher-TAG.{json,md} instead of fisher.{json,md}")
-    p.add_argument("--out", default=str(RESULTS))
+    add_out_arg(p)
     return run(p.parse_args(argv))
 
 

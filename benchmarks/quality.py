@@ -40,7 +40,7 @@ from vllm_temporalkv.harness.simulate import (KV_DTYPE, Simulator, ablation_part
                                               window_of)
 from vllm_temporalkv.layout import bits_per_float
 
-from .common import RESULTS, merge_headline, run_record, write_json
+from .common import add_headline_arg, add_out_arg, merge_headline, run_record, write_json
 
 ABLATION_FORMATS = ("temporalkv-2bit", "temporalkv-1bit")
 
@@ -365,9 +365,9 @@ def main(argv=None):
     p.add_argument("--protocol", choices=("thesis", "causal"), default="thesis",
                    help="thesis: every query sees decoded K/V; causal: a query's own block stays exact, "
                         "as in a decode step of the server")
-    p.add_argument("--no-headline", action="store_true", help="do not merge into headline.json")
+    add_headline_arg(p)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default=str(RESULTS))
+    add_out_arg(p)
     run(p.parse_args(argv))
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def load_all(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -20,6 +22,8 @@ def synthetic_artifact(model: str, formats: list[str], path: Path) -> Path:
     """Random codebooks and channel statistics shaped for ``model`` (speed only: the GPU box runs
     dummy-weight models, which calibration cannot serve).  K of layer 0 is channel-chunked in the
     hybrid formats, as calibrations here choose; every other layer is temporal."""
+    import torch
+
     from vllm_temporalkv.artifact import Artifact, model_fingerprint
     from vllm_temporalkv.calibration import codebook_keys
     from vllm_temporalkv.codecs import make_codec
