@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.helpers import CFG, FORMATS, synthetic_artifact
+from tests.helpers import CFG, FORMATS, bench_call, synthetic_artifact
 from vllm_temporalkv.artifact import (DIGEST_KEY, SCHEMA_VERSION, Artifact, ArtifactError, content_digest,
                                       model_fingerprint)
 from vllm_temporalkv.harness.artifacts import load_all
@@ -157,13 +157,18 @@ def test_bad_tensors(saved, edit, why):
         Artifact.load(path)
 
 
+FUZZ = """import json, sys
+from pathlib import Path
+from benchmarks.artifact_fuzz import fuzz
+path, expect, workdir = Path(sys.argv[1]), json.loads(sys.argv[2]), Path(sys.argv[3])
+print(json.dumps(fuzz(path, expect, "temporalkv-2bit", 80, seed=1, workdir=workdir)))"""
+
+
 def test_fuzz_slice(saved, tmp_path):
     """CI's slice of the artifact fuzzer (benchmarks/artifact_fuzz.py runs hundreds on the real artifact):
     every mutation refused with the file and the fix named, or harmless."""
-    from benchmarks.artifact_fuzz import fuzz
-
     _, path = saved
-    r = fuzz(path, model_fingerprint(CFG), "temporalkv-2bit", 80, seed=1, workdir=tmp_path / "fuzz")
+    r = bench_call(FUZZ, path, json.dumps(model_fingerprint(CFG)), tmp_path / "fuzz")
     assert r["unclean"] == [], r["unclean"][:5]
     assert r["outcomes"].get("refused", 0) >= 60, r["outcomes"]
 
@@ -208,15 +213,24 @@ def test_local_kv_heads(monkeypatch, total, local, tp, rank, want):
     assert compat.local_kv_heads(total, local) == want
 
 
+FULL_CALIBRATION = """import json, sys
+from pathlib import Path
+from benchmarks.__main__ import _full_calibration
+print(json.dumps([_full_calibration(Path(p)) for p in sys.argv[1:]]))"""
+
+
 def test_full_calibration_is_every_codebook_format(tmp_path):
     """`python -m benchmarks` re-calibrates unless the default artifact holds every format that has codebooks of its
     own (not the calibration-free ones, mixes or K/V pairs, which no artifact holds)."""
-    from benchmarks.__main__ import _full_calibration
     from vllm_temporalkv.formats import calibrated_formats
 
-    assert _full_calibration(synthetic_artifact(CFG, calibrated_formats()).save(tmp_path / "full.safetensors"))
-    assert not _full_calibration(synthetic_artifact(CFG, ["temporalkv-2bit"]).save(tmp_path / "one.safetensors"))
+    full = synthetic_artifact(CFG, calibrated_formats()).save(tmp_path / "full.safetensors")
+    one = synthetic_artifact(CFG, ["temporalkv-2bit"]).save(tmp_path / "one.safetensors")
     first = synthetic_artifact(CFG, calibrated_formats())
     first.calibration["first_use"] = True  # the small one `vllm-temporalkv serve` makes
-    assert not _full_calibration(first.save(tmp_path / "first.safetensors"))
-    assert not _full_calibration(tmp_path / "missing.safetensors")
+    first = first.save(tmp_path / "first.safetensors")
+    is_full = bench_call(FULL_CALIBRATION, full, one, first, tmp_path / "missing.safetensors")
+    assert is_full[0]
+    assert not is_full[1]
+    assert not is_full[2]
+    assert not is_full[3]
