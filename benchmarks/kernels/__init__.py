@@ -3,13 +3,13 @@
     python -m benchmarks.kernels                         # H100: both shapes, the full grid
     python -m benchmarks.kernels --shape llama8b --batch 8 --context 32768 --formats temporalkv-2bit
     python -m benchmarks.kernels --smoke --out /tmp/k    # no GPU: interpreter check of the plumbing
-    python -m benchmarks.kernels --device cpu ...        # the C++ CPU kernels: benchmarks/kernels_cpu.py
+    python -m benchmarks.kernels --device cpu ...        # the C++ CPU kernels: benchmarks/kernels_cpu
 
 Decode (one query token per request, one layer): for each shape (``llama8b``: 32 query / 8 KV
 heads, head_dim 128; ``smollm2``: 9 / 3, head_dim 64), batch B, context L and format, the time of
 ``triton_decode.paged_attention`` on pages full of random codes, against two baselines measured in
 the same run on random K/V of the same B x L: torch SDPA on contiguous half-precision K/V, and a
-simple fp16/bf16 *paged* flash-decoding Triton kernel (below; the repo has none).  Each row also
+simple fp16/bf16 *paged* flash-decoding Triton kernel (fp16_paged.py; the repo has none).  Each row also
 gives the bytes the compressed kernel must read (codes, sinks and tail, outliers, centroids once,
 ...), the bandwidth that implies, and its fraction of the device's copy bandwidth measured once in
 the run.  Before a configuration is timed, the kernel's output on a slice of it (the first

@@ -17,7 +17,7 @@ Timed side by side in the same run, on caches of the same B x L:
 
 * ``cpp``: ``ops.cpu.paged_attention(..., batch_invariant=False)`` (what the vLLM backend calls on the
   CPU; decode goes to the fused C++ kernel straight from the codes, a prefill chunk to the torch
-  attention on K/V gathered by the C++ decoder) on pages full of random codes (``kernels.fill_pages``);
+  attention on K/V gathered by the C++ decoder) on pages full of random codes (``kernel_common.fill_pages``);
 * ``torch``: ``ops.paged_torch.paged_attention(..., batch_invariant=False)``, the float32 serving path
   the C++ kernels replace, on the same pages;
 * ``vllm_bf16``: vLLM's CPU attention op, ``torch.ops._C.cpu_attention_with_kv_cache``, called exactly
