@@ -234,3 +234,38 @@ def test_nothing_in_the_package_imports_the_harness():
     bad = [f"{f.relative_to(ROOT)} imports {n}" for f in sorted(PKG.rglob("*.py")) if HARNESS not in f.parents
            for n in _imports(f) if n.startswith("vllm_temporalkv.harness")]
     assert not bad, "\n".join(bad)
+
+
+def _top_level_names(path: Path) -> set[str]:
+    """Names a module defines or imports at its top level (what ``from module import name`` can find there)."""
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                out.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return out
+
+
+def test_benchmarks_import_what_exists():
+    """Every ``from <benchmarks module> import name`` (function-level imports included, which no import of the module
+    runs) names a module or a top-level name of that module: a moved function cannot leave a stale import behind."""
+    files = {_module_name(f): f for f in BENCH.rglob("*.py")}
+    bad = []
+    for mod, f in sorted(files.items()):
+        pkg = mod if f.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not node.level:
+                continue
+            parts = pkg.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            if base not in files:
+                bad.append(f"{f.relative_to(ROOT)}: no module {base}")
+                continue
+            names = _top_level_names(files[base])
+            bad += [f"{f.relative_to(ROOT)}: {base} has no {a.name}" for a in node.names
+                    if a.name not in names and f"{base}.{a.name}" not in files]
+    assert not bad, "\n".join(bad)
