@@ -123,6 +123,15 @@ def fmt_opt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
+def shape_sections(report: dict):
+    """(markdown heading, rows) of each model shape of a kernel report that has rows, in the run's order."""
+    for shape in report["settings"]["shapes"]:
+        rows = [r for r in report["rows"] if r["shape"] == shape]
+        if rows:
+            sh = SHAPES[shape]
+            yield f"## {shape}: {sh['hq']} query / {sh['h']} KV heads, head_dim {sh['d']}", rows
+
+
 def plot_decode_grid(rows: list[dict], shapes: list[str], path: Path, *, time_series, speedup_series, baselines,
                      panel_title: str, time_label: str, speedup_label: str, title: str, width: float = 4.2) -> None:
     """Decode timings over the context L (log2), per model shape two rows of panels (time per call, speedup),

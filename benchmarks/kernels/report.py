@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..kernel_common import SHAPES, plot_decode_grid, shape_key
+from ..kernel_common import plot_decode_grid, shape_key, shape_sections
 from ..kernel_common import fmt_opt as _f
 from .fp16_paged import FP16_PAGE
 
@@ -56,12 +56,8 @@ def markdown(report: dict) -> str:
         "requests of the batch (check tokens each).",
         "",
     ]
-    for shape in s["shapes"]:
-        sh = SHAPES[shape]
-        rows = [r for r in report["rows"] if r["shape"] == shape]
-        if not rows:
-            continue
-        lines += [f"## {shape}: {sh['hq']} query / {sh['h']} KV heads, head_dim {sh['d']}", "",
+    for heading, rows in shape_sections(report):
+        lines += [heading, "",
                   "| B | L | format | ms | SDPA ms | fp16 paged ms | x SDPA | x fp16 paged | MB read | GB/s | bw frac"
                   " | err (tol) | check tokens |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..kernel_common import SHAPES, plot_decode_grid, shape_key
+from ..kernel_common import plot_decode_grid, shape_key, shape_sections
 from ..kernel_common import fmt_opt as _f
 from .config import HEADLINE_FORMATS, HEADLINE_POINTS, _isz
 
@@ -67,12 +67,8 @@ def markdown(report: dict) -> str:
         "GB/s = those bytes / time; frac = of the copy bandwidth.  err = max |C++ - torch| on the check slice.",
         "",
     ]
-    for shape in s["shapes"]:
-        sh = SHAPES[shape]
-        rows = [r for r in report["rows"] if r["shape"] == shape]
-        if not rows:
-            continue
-        lines += [f"## {shape}: {sh['hq']} query / {sh['h']} KV heads, head_dim {sh['d']}", "",
+    for heading, rows in shape_sections(report):
+        lines += [heading, "",
                   f"| step | B | L | format | C++ ms | torch ms | vLLM {dt} ms | SDPA ms | x vLLM {dt} | x torch | "
                   f"x SDPA | B/tok (codes) | {dt} B/tok | C++ GB/s (frac) | vLLM GB/s (frac) | err (tol) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
