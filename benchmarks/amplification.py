@@ -20,9 +20,8 @@ import torch
 def main(argv=None) -> dict:
     from vllm_temporalkv.artifact import Artifact, default_artifact_path
     from vllm_temporalkv.corpora import load_corpus, token_windows
+    from vllm_temporalkv.harness.simulate import Simulator, token_nlls
     from vllm_temporalkv.models import load_hf_model, load_tokenizer, resolve_model
-
-    from .quality import Simulator, token_nlls
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)

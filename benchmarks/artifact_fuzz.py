@@ -33,18 +33,12 @@ from pathlib import Path
 
 import torch
 
-from .common import HEADLINE, RESULTS, merge_headline, run_record, write_json
+from vllm_temporalkv.harness.artifacts import load_all
+
+from .common import HEADLINE, add_out_arg, ensure_calibrated, is_results, merge_headline, run_record, write_json
 
 
 # ---- the file ------------------------------------------------------------------------------------
-def load_all(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Every tensor and the metadata of a safetensors file."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
-
-
 def _save(tensors: dict[str, torch.Tensor], meta: dict[str, str], *, rehash: bool) -> bytes:
     """The safetensors bytes of (tensors, meta); rehash: with the checksum recomputed for them."""
     from safetensors.torch import save
@@ -272,22 +266,18 @@ def main(argv=None) -> int:
     p.add_argument("--format", default="temporalkv-2bit")
     p.add_argument("--mutations", type=int, default=600)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(RESULTS))
+    add_out_arg(p)
     args = p.parse_args(argv)
-
-    import os
 
     from transformers import AutoConfig
 
     from vllm_temporalkv.artifact import default_artifact_path, model_fingerprint
     from vllm_temporalkv.models import resolve_model
-    from vllm_temporalkv.vllm import cli
 
     model = resolve_model(args.model)
     artifact = Path(args.artifact) if args.artifact else default_artifact_path(model)
     if not artifact.is_file():  # what `vllm-temporalkv serve` does on first use
-        plan = cli.plan_serve([str(model), "--kv-cache-dtype", args.format], environ=dict(os.environ))
-        cli.run_first_use(plan, cli.decide_calibration(plan))
+        ensure_calibrated(model, args.format)
     expect = model_fingerprint(AutoConfig.from_pretrained(model))
     out = Path(args.out)
     result = fuzz(artifact, expect, args.format, args.mutations, args.seed, out / "artifact-fuzz-work")
@@ -296,7 +286,7 @@ def main(argv=None) -> int:
            "result": result, "run": run_record()}
     write_json(out / "artifact-fuzz.json", rep)
     write_markdown(rep, out / "artifact-fuzz.md")
-    if out.resolve() == RESULTS.resolve():
+    if is_results(out):
         key = f"stress.artifact_fuzz.{args.format}"
         merge_headline({f"{key}.mutations": result["mutations"], f"{key}.unclean": len(result["unclean"])}, HEADLINE)
     print(json.dumps(result["outcomes"]), f"unclean: {len(result['unclean'])}")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .common import RESULTS, merge_headline, run_record, write_json
+from .common import add_headline_arg, add_out_arg, merge_headline, run_record, write_json
 
 # SmolLM2-135M's projections (out, in): q, k/v, o, the merged gate/up and down
 SHAPES = {"q_proj": (576, 576), "kv_proj": (192, 576), "o_proj": (576, 576), "gate_up": (3072, 576),
@@ -96,8 +96,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--rows", nargs="+", type=int, default=list(BATCH_ROWS))
-    ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--no-headline", action="store_true")
+    add_out_arg(ap)
+    add_headline_arg(ap)
     a = ap.parse_args(argv)
     cls = cpu_class()
     rep = dict(cpu_class=cls, vllm=vllm.__version__, rows=a.rows, dtypes={}, summary={}, run=run_record())

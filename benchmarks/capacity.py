@@ -24,9 +24,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from vllm_temporalkv.formats import FORMATS
+from vllm_temporalkv.harness.server import CAPACITY_RE, VLLMServer
 
-from .common import RESULTS, merge_headline, run_record, write_json
-from .vllm_server import CAPACITY_RE, VLLMServer
+from .common import add_out_arg, merge_headline, run_record, write_json
 
 
 def measure(model: str, dtype: str, kv_space_gib: int, max_len: int, extra: list[str], timeout: float = 900) -> dict:
@@ -121,7 +121,7 @@ def main(argv=None):
     p.add_argument("--no-outliers", action="store_true", help="skip the -o1 configurations")
     p.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--out", default=str(RESULTS))
+    add_out_arg(p)
     args = p.parse_args(argv)
     model = str(resolve_model(args.model))
     if "auto" not in args.formats:

@@ -1,12 +1,15 @@
-"""What every benchmark shares: where results go, how a run is recorded, the headline file."""
+"""What every benchmark shares: where results go, how a run is recorded, the headline file, the command-line
+conventions (--out, --smoke, --no-headline, --dtype), first-use calibration and vLLM's error lines."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import re
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +25,7 @@ def machine() -> dict:
     info = {
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_model() or platform.processor(),
         "cpu_class": cpu_class(),  # amx / avx512bf16 / avx512 / avx2 / scalar: figures differ by class
         "cpu_simd": simd_flags(),
         "cpu_count": os.cpu_count(),
@@ -35,21 +38,24 @@ def machine() -> dict:
     return info
 
 
-def _cpu_name() -> str:
+def cpu_model() -> str | None:
+    """The CPU's model name (/proc/cpuinfo), None where it cannot be read."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor()
+    return None
 
 
 def run_record() -> dict:
-    """Command line, machine and time of this run, stored next to every result."""
+    """Command line, machine and time of this run, stored next to every result (a benchmark that is a package runs
+    as ``python -m benchmarks.X``: its ``__main__`` module is not named)."""
+    main = __import__("__main__")
     return {
-        "command": "python -m " + __import__("__main__").__spec__.name + " " + shlex.join(sys.argv[1:])
-        if getattr(__import__("__main__"), "__spec__", None)
+        "command": "python -m " + main.__spec__.name.removesuffix(".__main__") + " " + shlex.join(sys.argv[1:])
+        if getattr(main, "__spec__", None)
         else shlex.join(sys.argv),
         "machine": machine(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -61,6 +67,11 @@ def write_json(path: Path, obj) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1, sort_keys=False) + "\n")
     os.replace(tmp, path)
+
+
+def is_results(out) -> bool:
+    """Whether a --out is benchmarks/results (where the committed results and headline.json live)."""
+    return Path(out).resolve() == RESULTS.resolve()
 
 
 def merge_headline(figures: dict[str, float], path: Path = HEADLINE) -> None:
@@ -84,63 +95,68 @@ def model_dtype(requested: str | None) -> str:
         return requested
     import torch
 
-    from vllm_temporalkv.vllm.cpu_tuning import default_dtype
+    from vllm_temporalkv.cpu_tuning import default_dtype
 
     return (None if torch.cuda.is_available() else default_dtype()) or "bfloat16"
 
 
-def plot_decode_grid(rows: list[dict], shapes: list[str], path: Path, *, time_series, speedup_series, baselines,
-                     panel_title: str, time_label: str, speedup_label: str, title: str, width: float = 4.2) -> None:
-    """Decode timings over the context L (log2), per model shape two rows of panels (time per call, speedup),
-    one column per batch size.  time_series / speedup_series: (row key, style, label with {f}, plot kwargs) per
-    format; baselines: (row key, style, name) drawn once per panel from the rows' baseline columns.  A series
-    without any value is left out."""
-    import math
+# ---- command-line conventions ------------------------------------------------------------------------
 
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def add_out_arg(p, **kw) -> None:
+    """--out: the results folder (benchmarks/results by default, where the headline is merged)."""
+    p.add_argument("--out", **{"default": str(RESULTS), "help": "results folder (default benchmarks/results)", **kw})
 
-    shapes = [s for s in shapes if any(r["shape"] == s for r in rows)]
-    if not shapes:
-        return
-    batches = sorted({r["B"] for r in rows})
-    fmts = list(dict.fromkeys(r["format"] for r in rows))
-    fig, axes = plt.subplots(2 * len(shapes), len(batches), figsize=(width * len(batches), 3.4 * 2 * len(shapes)),
-                             squeeze=False)
 
-    def line(ax, xs, ys, style, **kw):
-        ys = [math.nan if y is None else y for y in ys]
-        if not all(math.isnan(y) for y in ys):
-            ax.plot(xs, ys, style, **kw)
+def add_dtype_arg(p) -> None:
+    """--dtype of a benchmark that starts servers: vLLM's, every format alike (model_dtype)."""
+    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
 
-    for i, shape in enumerate(shapes):
-        for j, B in enumerate(batches):
-            at, asp = axes[2 * i][j], axes[2 * i + 1][j]
-            sel = sorted((r for r in rows if r["shape"] == shape and r["B"] == B), key=lambda r: r["L"])
-            for k, f in enumerate(fmts):
-                pts = [r for r in sel if r["format"] == f]
-                for ax, series in ((at, time_series), (asp, speedup_series)):
-                    for key, style, label, kw in series:
-                        line(ax, [r["L"] for r in pts], [r.get(key) for r in pts], style, color=f"C{k}",
-                             label=label.format(f=f), **kw)
-            base = {r["L"]: r for r in sel}
-            for key, style, name in baselines:
-                line(at, sorted(base), [base[x].get(key) for x in sorted(base)], style, label=name)
-            asp.axhline(1.0, color="gray", lw=1)
-            for ax in (at, asp):
-                ax.set_xscale("log", base=2)
-                ax.grid(alpha=0.3, which="both")
-            at.set_yscale("log")
-            at.set_title(panel_title.format(shape=shape, B=B))
-            asp.set_xlabel("context L (tokens)")
-            if j == 0:
-                at.set_ylabel(time_label)
-                asp.set_ylabel(speedup_label)
-        axes[2 * i][0].legend(fontsize=6)
-        axes[2 * i + 1][0].legend(fontsize=6)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+def add_headline_arg(p) -> None:
+    p.add_argument("--no-headline", action="store_true", help="do not merge into headline.json")
+
+
+def add_smoke_args(p, smoke_help: str) -> None:
+    """--smoke (tiny configurations through the same code, never written to benchmarks/results) and --out."""
+    add_headline_arg(p)
+    p.add_argument("--smoke", action="store_true", help=smoke_help)
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results; smoke: a temp dir)")
+
+
+def apply_sizes(a, full: dict, small: dict, smoke_prefix: str) -> None:
+    """Arguments left at None take the full run's default, or with --smoke the small one's; --smoke writes to a
+    temp dir (never to benchmarks/results), a full run to benchmarks/results unless --out says otherwise."""
+    if a.smoke:
+        if a.out is None:
+            a.out = tempfile.mkdtemp(prefix=smoke_prefix)
+        if is_results(a.out):
+            sys.exit("--smoke never writes to benchmarks/results: pass another --out")
+    for k, v in full.items():
+        if getattr(a, k) is None:
+            setattr(a, k, small.get(k, v) if a.smoke else v)
+    if a.out is None:
+        a.out = str(RESULTS)
+
+
+# ---- vLLM ----------------------------------------------------------------------------------------------
+
+
+def ensure_calibrated(model, fmt: str, environ: dict | None = None) -> None:
+    """The model's default artifact covers fmt: what `vllm-temporalkv serve` does on first use (a small calibration,
+    or an extension by the missing format)."""
+    from vllm_temporalkv.vllm import cli
+
+    plan = cli.plan_serve(([str(model)] if model else []) + ["--kv-cache-dtype", fmt],
+                          environ=dict(os.environ if environ is None else environ))
+    decision = cli.decide_calibration(plan)
+    if decision.action in ("calibrate", "extend"):
+        cli.run_first_use(plan, decision)
+
+
+def error_line(log: str, rc: int) -> str:
+    """The root cause: the last error line that is not vLLM's "engine core initialization failed, see
+    above" wrapper (e.g. fp8 on a CPU without AVX-512: 'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.')."""
+    lines = [ln for ln in log.splitlines() if re.search(r"\w(Error|Exception): |error:|refus", ln)]
+    root = [ln for ln in lines if "See root cause" not in ln and "initialization failed" not in ln]
+    return ((root or lines)[-1] if lines else f"exit code {rc}")[-500:]

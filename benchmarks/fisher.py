@@ -11,7 +11,7 @@ harness's), for every artifact and format it measures:
    layers, K and V (g = d loss / d x from the summed LM loss), per token: a diagonal-Fisher estimate
    of the NLL increase in nats; and ``mse``, the plain mean squared error in normalized space.
 2. per-window next-token NLL under simulated compression (the thesis protocol of
-   ``benchmarks.quality``), so artifacts can be compared window by window (paired), not only by
+   ``benchmarks.quality``, vllm_temporalkv/harness/simulate.py), so artifacts can be compared window by window (paired), not only by
    one pooled perplexity.
 3. how concentrated the Fisher weights are: per codebook, the effective sample size
    (sum w)^2 / (N sum w^2) of the per-vector weights and the share of weight held by the top 1%.
@@ -36,7 +36,7 @@ import torch
 from vllm_temporalkv.artifact import Artifact, model_fingerprint
 from vllm_temporalkv.cache import model_quantizers
 
-from .common import RESULTS, merge_headline, run_record, write_json
+from .common import add_headline_arg, add_out_arg, merge_headline, run_record, write_json
 
 FORMATS = ("temporalkv-2bit", "temporalkv-1bit")
 
@@ -86,7 +86,7 @@ def weight_concentration(art: Artifact, fmt: str, acts, grads) -> dict:
 
 def window_nlls(model, windows: torch.Tensor, art: Artifact | None, fmt: str | None) -> list[float]:
     """Mean next-token NLL of each window under simulated compression (bf16 when fmt is None)."""
-    from .quality import Simulator, token_nlls
+    from vllm_temporalkv.harness.simulate import Simulator, token_nlls
 
     sim = Simulator(fmt or "bf16", art, None)
     return [float(token_nlls(model, w, sim).mean()) for w in windows]
@@ -310,9 +310,9 @@ def main(argv=None):
     p.add_argument("--nll-splits", nargs="*", default=["heldout"], choices=("calibration", "heldout"),
                    help="where to measure per-window NLL (each split costs ~25 s per window and configuration on 2 CPU cores)")
     p.add_argument("--cache", default=None, help="a folder to keep the collected K/V + gradients in between runs")
-    p.add_argument("--no-headline", action="store_true", help="do not merge into headline.json")
+    add_headline_arg(p)
     p.add_argument("--tag", default=None, help="write fisher-TAG.{json,md} instead of fisher.{json,md}")
-    p.add_argument("--out", default=str(RESULTS))
+    add_out_arg(p)
     return run(p.parse_args(argv))
 
 

@@ -2,7 +2,7 @@
 
     python -m benchmarks.needle_nll --artifact A --configs bf16 temporalkv-2bit temporalkv-2bit@window16
 
-The retrieval suite's prompts (benchmarks/retrieval.py, same seed), the reference answer appended, scored in
+The retrieval suite's prompts (benchmarks/retrieval/suite.py, same seed), the reference answer appended, scored in
 plain transformers (float32) under the quality harness's causal protocol - what a served query sees: its own
 block and recent window exact, earlier blocks decoded.  A greedy server answer is one sample of this: a token
 whose NLL rises above ~0.7 is where it may stop or go wrong.  Also, for the query that predicts the answer's first
@@ -18,16 +18,16 @@ from pathlib import Path
 
 import torch
 
-from .common import RESULTS, run_record, write_json
+from .common import add_out_arg, run_record, write_json
 
 
 def run(args) -> dict:
     from vllm_temporalkv.artifact import Artifact, default_artifact_path
     from vllm_temporalkv.formats import get_format
+    from vllm_temporalkv.harness.simulate import _ACTIVE, Simulator, parse_config, token_nlls
     from vllm_temporalkv.models import load_hf_model, load_tokenizer, resolve_model
 
-    from .quality import _ACTIVE, Simulator, parse_config, token_nlls
-    from .retrieval import _NEEDLE, SuiteBuilder
+    from .retrieval.suite import _NEEDLE, SuiteBuilder
 
     model_dir = resolve_model(args.model)
     tok = load_tokenizer(model_dir)
@@ -130,7 +130,7 @@ def main(argv=None):
     p.add_argument("--lengths", nargs="+", type=int, default=[4096])
     p.add_argument("--samples", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(RESULTS))
+    add_out_arg(p)
     args = p.parse_args(argv)
     rep = run(args)
     out = Path(args.out)

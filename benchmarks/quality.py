@@ -4,14 +4,15 @@ Inside a HuggingFace model, the pre-RoPE K and V of every layer are replaced by 
 then-decoded values (hooks on the projections, so RoPE is applied after decoding, as in the thesis);
 the first SINK_TOKENS tokens stay in half precision.  Every query then attends over the decoded
 K/V.  This is the thesis's simulation: a token also sees the decoded values of the rest of its own
-chunk (the server instead keeps an incomplete chunk in half precision); see the note in README.
+chunk (the server instead keeps an incomplete chunk in half precision); see the note in README.  The simulation
+itself is vllm_temporalkv/harness/simulate.py (shared with the tests); this module runs and reports it.
 
     python -m benchmarks.quality --artifact A [--ablation-artifact B] [--windows 8] [--data brown]
 
 Configurations: ``bf16`` (the uncompressed KV cache: K/V rounded to bf16), every format with and
 without 1% outliers (``<format>-o1``; the calibration-free ``selective-int8`` / ``-int4`` and ``tada-4bit`` /
 ``-2bit`` with their recent window, as served), the seed configurations not served (``tada-mixed-3bit``, ``qjl``:
-benchmarks/quality_seeds.py, thesis protocol), and the ablations: Fisher vs unweighted k-means
+vllm_temporalkv/harness/seeds.py, thesis protocol), and the ablations: Fisher vs unweighted k-means
 (``<format>@unweighted``, needs ``--ablation-artifact`` calibrated with ``--no-fisher``), sinks
 compressed (``@sinks-compressed``), pure temporal chunking instead of the hybrid
 (``@pure-temporal``), only the keys or only the values compressed (``@keys-only``, ``@values-only``: where
@@ -25,9 +26,7 @@ configuration is saved as soon as it is done, and a rerun with the same settings
 from __future__ import annotations
 
 import argparse
-import collections
 import math
-import re
 import time
 from pathlib import Path
 
@@ -35,16 +34,14 @@ import torch
 from tqdm import tqdm
 
 from vllm_temporalkv.artifact import Artifact, default_artifact_path
-from vllm_temporalkv.cache import model_quantizers
-from vllm_temporalkv.codecs import calibration_free_quantizers
 from vllm_temporalkv.formats import FORMATS, get_format
-from vllm_temporalkv.hf_hooks import kv_output_hooks
+from vllm_temporalkv.harness.seeds import SEED_CONFIGS, SeedSimulator, is_mixed, is_seed_config, tada_layer_bits
+from vllm_temporalkv.harness.simulate import (KV_DTYPE, Simulator, ablation_parts, parse_config, window_nll,
+                                              window_of)
 from vllm_temporalkv.layout import bits_per_float
 
-from .common import RESULTS, merge_headline, run_record, write_json
-from .quality_seeds import SEED_CONFIGS, SeedSimulator, is_mixed, is_seed_config, tada_layer_bits
+from .common import add_headline_arg, add_out_arg, merge_headline, run_record, write_json
 
-KV_DTYPE = torch.bfloat16
 ABLATION_FORMATS = ("temporalkv-2bit", "temporalkv-1bit")
 
 
@@ -69,188 +66,6 @@ def artifact_free(name: str) -> bool:
     """A configuration whose result does not depend on the calibration artifact."""
     fmt = parse_config(name)[0]
     return name == "bf16" or is_seed_config(name) or (fmt in FORMATS and not get_format(fmt).needs_calibration)
-
-
-_ABLATION_PART = re.compile(r"unweighted|sinks-compressed|pure-temporal|keys-only|values-only|window\d+|layers\d+-\d+")
-
-
-def ablation_parts(ablation: str | None) -> list[str]:
-    """'keys-only+layers0-5' -> ['keys-only', 'layers0-5']: an ablation may combine parts with '+'; an unknown part
-    is an error (a misspelt one would otherwise measure the plain format)."""
-    parts = [p for p in (ablation or "").split("+") if p]
-    bad = [p for p in parts if not _ABLATION_PART.fullmatch(p)]
-    if bad:
-        raise ValueError(f"unknown ablation {'+'.join(bad)!r}; known: unweighted, sinks-compressed, pure-temporal, "
-                         "keys-only, values-only, windowN, layersA-B (joined with '+')")
-    return parts
-
-
-def window_of(fmt: str, ablation: str | None) -> int:
-    """The recent window a configuration keeps: ``@windowN``, else the format's own."""
-    for p in ablation_parts(ablation):
-        if p.startswith("window"):
-            return int(p.removeprefix("window"))
-    return get_format(fmt).window
-
-
-def layers_of(ablation: str | None) -> range | None:
-    """``@layersA-B``: only layers A..B (inclusive) compressed, the others exact; None = every layer."""
-    for p in ablation_parts(ablation):
-        if p.startswith("layers"):
-            a, b = map(int, p.removeprefix("layers").split("-"))
-            return range(a, b + 1)
-    return None
-
-
-def parse_config(name: str) -> tuple[str | None, bool, str | None]:
-    """'temporalkv-2bit-o1@x' -> ('temporalkv-2bit', True, 'x'); 'bf16' -> (None, False, None)."""
-    base, _, ablation = name.partition("@")
-    if base == "bf16":
-        return None, False, None
-    outliers = base.endswith("-o1")
-    return base.removesuffix("-o1"), outliers, ablation or None
-
-
-class Simulator:
-    """Fake-quant hook for one configuration.
-
-    protocol "thesis": the hook replaces K/V by their decoded values, for every query.
-    protocol "causal": what a decode step of the server sees - a query attends to decoded K/V of
-    the blocks completed before its own block, and to exact K/V of its own (incomplete) block; the
-    hook keeps K/V exact and stashes the decoded values for ``causal_attention``.
-
-    A recent window (the selective formats, ``@windowN``) keeps the last tokens exact as the server does:
-    thesis protocol, those of the whole window; causal, those of each query (``layout.exact_from``)."""
-
-    def __init__(self, name: str, art: Artifact, art_unweighted: Artifact | None, protocol: str = "thesis"):
-        fmt, outliers, ablation = parse_config(name)
-        self.protocol = protocol
-        parts = ablation_parts(ablation)
-        self.sinks = 0 if "sinks-compressed" in parts else None
-        # the diagnosis of where a format loses: only keys or only values compressed, the other half exact
-        self.exact_kind = {"keys-only": "v", "values-only": "k"}.get(next((p for p in parts if p.endswith("-only")), None))
-        self.layers = layers_of(ablation)  # per-layer sensitivity: one layer group compressed at a time
-        self.qs = None
-        self.window = 0
-        self.stash: dict[tuple[int, str], torch.Tensor] = {}
-        if fmt is not None:
-            self.window = window_of(fmt, ablation)
-            f = get_format(fmt)
-            if f.per_layer_pages and not f.needs_calibration:  # QJL: per-layer sketches, keys rotated by the model's
-                # RoPE - built in bind()
-                self.qs, self._free = {}, f
-                return
-            if not f.needs_calibration:
-                pair = calibration_free_quantizers(f)
-                self.qs = collections.defaultdict(lambda: pair)  # the same (stateless) pair for every layer
-                return
-            src = art_unweighted if "unweighted" in parts else art
-            methods = None
-            if "pure-temporal" in parts:
-                methods = {kv: ["temporal"] * art.num_layers for kv in "kv"}
-            self.qs = model_quantizers(fmt, src, outliers=outliers, methods=methods)
-
-    def bind(self, hf_config) -> None:
-        """The model's facts a per-layer format needs (token_nlls calls it): QJL's quantizers per layer."""
-        f = getattr(self, "_free", None)
-        if f is not None and not self.qs:
-            from vllm_temporalkv.artifact import model_fingerprint
-            from vllm_temporalkv.rope import Rope
-
-            fp, rope = model_fingerprint(hf_config), Rope(hf_config)
-            self.qs = {i: calibration_free_quantizers(f, head_dim=fp["head_dim"], layer=i, rope=rope)
-                       for i in range(fp["num_layers"])}
-
-    def __call__(self, layer: int, kind: str, out: torch.Tensor) -> torch.Tensor:
-        x = out.to(KV_DTYPE)
-        if self.qs is not None and kind != self.exact_kind and (self.layers is None or layer in self.layers):
-            q = self.qs[layer][0 if kind == "k" else 1]
-            kw = {} if self.sinks is None else {"sinks": self.sinks}
-            # causal: every whole block decoded (which ones a query sees exactly is causal_attention's business)
-            kw["window"] = self.window if self.protocol == "thesis" else 0
-            xq = torch.stack([q.fake_quant(x[b], **kw) for b in range(x.shape[0])])
-            if self.protocol == "causal":
-                self.stash[(layer, kind)] = xq.to(out.dtype)
-            else:
-                x = xq
-        elif self.qs is not None and self.protocol == "causal":
-            self.stash[(layer, kind)] = x.to(out.dtype)
-        return x.to(out.dtype)
-
-
-_ACTIVE: dict = {}
-
-
-def causal_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """transformers attention function for protocol "causal" (see Simulator)."""
-    from vllm_temporalkv.formats import BLOCK_TOKENS
-
-    sim, rope = _ACTIVE["sim"], _ACTIVE["rope"]
-    layer = module.layer_idx
-    B, Hq, T, D = query.shape
-    g = Hq // key.shape[1]
-    if sim.qs is None:
-        kq, vq = key, value
-    else:
-        pos = torch.arange(T, device=query.device)
-        kq = torch.stack([rope.apply(sim.stash[(layer, "k")][b], pos) for b in range(B)]).transpose(1, 2)
-        vq = sim.stash[(layer, "v")].transpose(1, 2)
-    rep = lambda t: t.float().repeat_interleave(g, 1)  # noqa: E731
-    q = query.float()
-    s_ex = torch.matmul(q, rep(key).transpose(2, 3)) * scaling
-    s_q = torch.matmul(q, rep(kq).transpose(2, 3)) * scaling
-    pos = torch.arange(T, device=query.device)
-    # the query's own (incomplete) block stays exact, and the recent window before it
-    own = (pos[None, :] >= ((pos - sim.window) // BLOCK_TOKENS * BLOCK_TOKENS)[:, None]) & (pos[None, :] <= pos[:, None])
-    causal = torch.arange(T, device=query.device)[None, :] > torch.arange(T, device=query.device)[:, None]
-    p = torch.softmax(torch.where(own, s_ex, s_q).masked_fill(causal, float("-inf")), -1)
-    out = torch.matmul(p * own, rep(value)) + torch.matmul(p * ~own, rep(vq))
-    probe = _ACTIVE.get("probe")
-    if probe is not None:  # benchmarks.needle_nll: how one query's attention finds the needle's tokens
-        qi, span = probe["query"], probe["span"]
-        served = torch.where(own, s_ex, s_q)[0, :, qi, : qi + 1]  # [Hq, keys]: the scores as served
-        probe["layers"][layer] = {name: needle_attention(x, span)
-                                  for name, x in (("exact", s_ex[0, :, qi, : qi + 1]), ("served", served))}
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
-
-
-def needle_attention(scores: torch.Tensor, span: list[int]) -> dict[str, list[float]]:
-    """Per head, from one query's scores [Hq, keys]: the attention mass on the span's keys, and the rank of its best
-    key (how many keys score higher: 0 = the needle is the top key)."""
-    best = scores[:, span].amax(-1, keepdim=True)
-    return {"mass": torch.softmax(scores, -1)[:, span].sum(-1).tolist(),
-            "rank": (scores > best).sum(-1).tolist()}
-
-
-@torch.no_grad()
-def token_nlls(model, ids: torch.Tensor, hook) -> torch.Tensor:
-    """Next-token NLL of every token of ids [T] after the first ([T - 1], float32) under a hook."""
-    if hasattr(hook, "bind"):
-        hook.bind(model.config)
-    if getattr(hook, "protocol", "thesis") == "causal":
-        from transformers import AttentionInterface
-
-        from vllm_temporalkv.rope import Rope
-
-        AttentionInterface.register("tkv_causal", causal_attention)
-        _ACTIVE.update(sim=hook, rope=Rope(model.config))
-        model.set_attn_implementation("tkv_causal")
-    else:
-        model.set_attn_implementation("eager")
-    with kv_output_hooks(model, hook):
-        x = ids[None].to(model.device)
-        logits = model(x).logits.float()
-        return torch.nn.functional.cross_entropy(logits[0, :-1], x[0, 1:], reduction="none").cpu()
-
-
-def window_nll(model, windows: torch.Tensor, hook) -> tuple[float, int]:
-    """Summed next-token NLL and token count over windows [N, T]."""
-    nll, count = 0.0, 0
-    for w in windows:
-        t = token_nlls(model, w, hook)
-        nll += float(t.sum())
-        count += t.numel()
-    return nll, count
 
 
 def _report(settings: dict, res: dict, art: Artifact | None, formats: list[str], prev: dict | None = None) -> dict:
@@ -289,7 +104,7 @@ def run(args) -> dict:
         raise SystemExit(f"unknown --formats {bad}; known: {', '.join([*FORMATS, *SEED_CONFIGS])}")
     seeds = tuple(f for f in wanted if is_seed_config(f))
     if seeds and args.protocol != "thesis":
-        raise SystemExit(f"{', '.join(seeds)}: simulated in the thesis protocol only (benchmarks/quality_seeds.py)")
+        raise SystemExit(f"{', '.join(seeds)}: simulated in the thesis protocol only (vllm_temporalkv/harness/seeds.py)")
     suffix = "" if args.protocol == "thesis" else f"-{args.protocol}"
     out_json = Path(args.out) / f"quality{suffix}.json"
     prev = {}
@@ -416,7 +231,7 @@ def write_markdown(report: dict, path: Path) -> None:
     seeds = [n for n in res if is_seed_config(n) or (_family(n) in ("selective", "tada", "qjl") and "@" not in n)]
     if seeds:
         lines += ["", "## Seed methods: selective, TaDA and QJL (served, no calibration), TaDA with per-layer bits "
-                  f"(simulated, benchmarks/quality_seeds.py); all-in bits at {ctx} tokens, windows included", "",
+                  f"(simulated, vllm_temporalkv/harness/seeds.py); all-in bits at {ctx} tokens, windows included", "",
                   "| method | ppl | bits/float K | bits/float V | bits/float |", "|---|---|---|---|---|"]
         for n in sorted(seeds, key=lambda n: -res[n]["bits"]["total"]):
             b = res[n]["bits"]
@@ -550,9 +365,9 @@ def main(argv=None):
     p.add_argument("--protocol", choices=("thesis", "causal"), default="thesis",
                    help="thesis: every query sees decoded K/V; causal: a query's own block stays exact, "
                         "as in a decode step of the server")
-    p.add_argument("--no-headline", action="store_true", help="do not merge into headline.json")
+    add_headline_arg(p)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default=str(RESULTS))
+    add_out_arg(p)
     run(p.parse_args(argv))
 
 

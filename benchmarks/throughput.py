@@ -26,12 +26,15 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from .common import DTYPE_HELP, HEADLINE, RESULTS, merge_headline, model_dtype, run_record, write_json
-from .vllm_server import CAPACITY_RE, VLLMServer, set_target_device
+from vllm_temporalkv.harness.artifacts import synthetic_artifact
+from vllm_temporalkv.harness.server import CAPACITY_RE, VLLMServer, set_target_device
+
+from . import common
+from .common import (HEADLINE, add_dtype_arg, add_out_arg, error_line, is_results, merge_headline, model_dtype,
+                     run_record, write_json)
 
 THROUGHPUT_RE = re.compile(r"Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, ([\d.]+) output tokens/s")
 
@@ -57,58 +60,14 @@ def _env(args) -> dict:
     return env
 
 
-def _error_line(log: str, rc: int) -> str:
-    """The root cause: the last error line that is not vLLM's "engine core initialization failed, see
-    above" wrapper (e.g. fp8 on a CPU without AVX-512: 'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.')."""
-    lines = [ln for ln in log.splitlines() if re.search(r"\w(Error|Exception): |error:|refus", ln)]
-    root = [ln for ln in lines if "See root cause" not in ln and "initialization failed" not in ln]
-    return ((root or lines)[-1] if lines else f"exit code {rc}")[-500:]
-
-
 def ensure_calibrated(args) -> None:
     """The default artifact covers every format of ours that is asked for: what `vllm-temporalkv
     serve` does on first use (a small calibration; speed does not depend on the codebooks' quality)."""
     from vllm_temporalkv.formats import FORMATS
-    from vllm_temporalkv.vllm import cli
 
     for fmt in args.formats:
-        if fmt not in FORMATS:
-            continue
-        plan = cli.plan_serve([args.model, "--kv-cache-dtype", fmt], environ=_env(args))
-        decision = cli.decide_calibration(plan)
-        if decision.action in ("calibrate", "extend"):
-            cli.run_first_use(plan, decision)
-
-
-def synthetic_artifact(model: str, formats: list[str], path: Path) -> Path:
-    """Random codebooks and channel statistics shaped for ``model`` (speed only: the GPU box runs
-    dummy-weight models, which calibration cannot serve).  K of layer 0 is channel-chunked in the
-    hybrid formats, as calibrations here choose; every other layer is temporal."""
-    import torch
-
-    from vllm_temporalkv.artifact import Artifact, model_fingerprint
-    from vllm_temporalkv.calibration import codebook_keys
-    from vllm_temporalkv.codecs import make_codec
-    from vllm_temporalkv.codecs.quantizer import ChannelStats
-    from vllm_temporalkv.formats import FORMATS, get_format, parse_codebook_key
-
-    cfg = json.loads((Path(model) / "config.json").read_text())
-    fp = model_fingerprint(cfg)
-    H, D, L = fp["num_kv_heads"], fp["head_dim"], fp["num_layers"]
-    ours = sorted({c for f in formats if f in FORMATS for c in get_format(f).calibrated_formats})
-    g = torch.Generator().manual_seed(0)
-    stats = {(i, kv): ChannelStats(torch.randn(H, D, generator=g) * 0.1, torch.rand(H, D, generator=g) + 0.5,
-                                   -torch.ones(H, D) * 3, torch.ones(H, D) * 3) for i in range(L) for kv in "kv"}
-    books = {(i, kv, key): torch.randn(make_codec(*parse_codebook_key(key)).codebook_shape(H, D), generator=g).half()
-             for key in codebook_keys(ours) for i in range(L) for kv in "kv"}
-    methods = {}
-    for f in ours:
-        fmt = get_format(f)
-        methods[f] = {"k": (["channel"] + ["temporal"] * (L - 1)) if fmt.hybrid else [fmt.method] * L,
-                      "v": [fmt.method] * L}
-    art = Artifact(fp, ours, methods, {"data": "synthetic (random codebooks: speed only)"}, stats, books, {})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return art.save(path)
+        if fmt in FORMATS:
+            common.ensure_calibrated(args.model, fmt, _env(args))
 
 
 def bench_throughput(args, fmt: str, shape: tuple[int, int, int], rundir: Path) -> dict:
@@ -124,7 +83,7 @@ def bench_throughput(args, fmt: str, shape: tuple[int, int, int], rundir: Path) 
     (rundir / f"throughput-{fmt}-{i}-{o}.log").write_text(shlex.join(cmd) + "\n" + log)
     m = THROUGHPUT_RE.findall(log)
     if r.returncode != 0 or not m:
-        return {"error": _error_line(log, r.returncode)}
+        return {"error": error_line(log, r.returncode)}
     req_s, tot_s, out_s = map(float, m[-1])
     kv = CAPACITY_RE.findall(log)
     return {"requests_s": req_s, "total_tok_s": tot_s, "output_tok_s": out_s,
@@ -145,7 +104,7 @@ def bench_serve(args, fmt: str, shape: tuple[int, int, int], rundir: Path) -> di
         r = subprocess.run(cmd, capture_output=True, text=True, env=_env(args), timeout=args.timeout)
         (rundir / name.replace(".json", ".log")).write_text(shlex.join(cmd) + "\n" + r.stdout + r.stderr)
         if r.returncode != 0 or not (rundir / name).is_file():
-            return {"error": _error_line(r.stdout + r.stderr, r.returncode)}
+            return {"error": error_line(r.stdout + r.stderr, r.returncode)}
         res = json.loads((rundir / name).read_text())
         keep = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
                 "median_tpot_ms", "p99_tpot_ms", "completed")
@@ -222,7 +181,7 @@ def rerender(out: Path) -> None:
         for fmt, r in fm.items():
             log = out / "throughput-runs" / f"throughput-{fmt}-{i}-{o}.log"
             if "error" in r and log.is_file():
-                r["error"] = _error_line(log.read_text(), 1)
+                r["error"] = error_line(log.read_text(), 1)
     write_json(out / "throughput.json", rep)
     write_markdown(rep, out / "throughput.md")
     plot(rep, out / "throughput.png")
@@ -255,10 +214,10 @@ def main(argv=None):
     p.add_argument("--load-format", default=None, help="e.g. dummy (random weights: speed only)")
     p.add_argument("--gpu-memory-utilization", default=None)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
+    add_dtype_arg(p)
     p.add_argument("--kv-space-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE on the CPU")
     p.add_argument("--timeout", type=float, default=3600)
-    p.add_argument("--out", default=str(RESULTS))
+    add_out_arg(p)
     p.add_argument("--rerender", action="store_true",
                    help="rewrite throughput.md/.png from --out's throughput.json and its logs (no runs)")
     args = p.parse_args(argv)
@@ -317,7 +276,7 @@ def main(argv=None):
     write_json(out / "throughput.json", rep)
     write_markdown(rep, out / "throughput.md")
     plot(rep, out / "throughput.png")
-    if out.resolve() == RESULTS.resolve():
+    if is_results(out):
         figs = {}
         for key, fm in rep["offline"].items():
             shape = key.split(":")[0]

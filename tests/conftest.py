@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 def _machine_line() -> str:
     from vllm_temporalkv.cpu_isa import cpu_class, simd_flags
-    from vllm_temporalkv.vllm.cpu_tuning import default_dtype
+    from vllm_temporalkv.cpu_tuning import default_dtype
 
     return (f"cpu class: {cpu_class()} ({' '.join(simd_flags())}); {os.cpu_count()} CPUs; "
             f"served model dtype by default: {default_dtype() or 'bfloat16'}")

@@ -245,3 +245,144 @@ def test_serving_needs_no_calibration_or_benchmark_packages(tiny_artifact):
     """)
     r = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "served" in r.stdout, r.stderr[-3000:]
+
+
+# ---- the harness: tests, benchmarks and what they share (vllm_temporalkv/harness) ------------------------------
+
+BENCH = ROOT / "benchmarks"
+HARNESS = PKG / "harness"
+BENCH_MAX_LINES = 450  # a benchmark module is read in one sitting: split a larger one (a package per benchmark)
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _module_edges(path: Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` a file imports, function-level imports included: ``from X import y`` is an edge to
+    X.y where that is a module, else to X (``from . import submodule`` does not count as importing the package)."""
+    mod = _module_name(path)
+    pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = pkg.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for n in names:
+            while n and n not in known:  # a name inside a module: the module
+                n = n.rpartition(".")[0]
+            if n and n != mod:
+                out.add(n)
+    return out
+
+
+def test_no_test_imports_benchmarks():
+    """Tests run a benchmark as a program (``python -m benchmarks.X``, tests/helpers.py), never import it: what
+    both need lives in the package (vllm_temporalkv/harness) or in tests/helpers.py.  Code handed to a subprocess
+    (a string) is not an import of the test process."""
+    bad = [f"{f.relative_to(ROOT)} imports {n}" for f in sorted((ROOT / "tests").rglob("*.py"))
+           for n in _imports(f) if n == "benchmarks" or n.startswith("benchmarks.")]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_test_file_imports_another():
+    """Shared fixtures and helpers live in tests/conftest.py and tests/helpers.py, not in a test file."""
+    bad = [f"{f.relative_to(ROOT)} imports {n}" for f in sorted((ROOT / "tests").glob("test_*.py"))
+           for n in _imports(f) if n.startswith("tests.test_") or n.startswith("test_")]
+    assert not bad, "\n".join(bad)
+
+
+def test_benchmark_modules_are_short():
+    long = {str(f.relative_to(ROOT)): n for f in sorted(BENCH.rglob("*.py"))
+            if (n := len(f.read_text().splitlines())) > BENCH_MAX_LINES}
+    assert not long, f"over {BENCH_MAX_LINES} lines: {long}"
+
+
+def test_no_import_cycle_among_benchmarks():
+    files = {_module_name(f): f for f in BENCH.rglob("*.py")}
+    graph = {m: _module_edges(f, set(files)) for m, f in files.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return path + [m, n]
+            if n not in state and (cycle := visit(n, path + [m])):
+                return cycle
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            cycle = visit(m, [])
+            assert cycle is None, "import cycle: " + " -> ".join(cycle[cycle.index(cycle[-1]):])
+
+
+def test_harness_reaches_no_vllm():
+    """The harness (what tests and benchmarks share) imports no vLLM, directly or through the package's modules."""
+    files = {_module_name(f): f for f in PKG.rglob("*.py")}
+    names = {m: _imports(f) for m, f in files.items()}
+    todo = [m for m in files if m.startswith("vllm_temporalkv.harness")]
+    seen = set(todo)
+    while todo:
+        m = todo.pop()
+        for n in names[m]:
+            assert not (n == "vllm" or n.startswith("vllm.")), f"{m} imports {n}"
+            assert not n.startswith("vllm_temporalkv.vllm"), f"{m} imports {n}"
+            dep = n
+            while dep and dep not in files:
+                dep = dep.rpartition(".")[0]
+            if dep and dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+
+
+def test_nothing_in_the_package_imports_the_harness():
+    """The serving path (vllm/, ops/, codecs/, formats, layout, artifact) and everything else in the package stand
+    without the harness: only tests and benchmarks use it."""
+    bad = [f"{f.relative_to(ROOT)} imports {n}" for f in sorted(PKG.rglob("*.py")) if HARNESS not in f.parents
+           for n in _imports(f) if n.startswith("vllm_temporalkv.harness")]
+    assert not bad, "\n".join(bad)
+
+
+def _top_level_names(path: Path) -> set[str]:
+    """Names a module defines or imports at its top level (what ``from module import name`` can find there)."""
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                out.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return out
+
+
+def test_benchmarks_import_what_exists():
+    """Every ``from <benchmarks module> import name`` (function-level imports included, which no import of the module
+    runs) names a module or a top-level name of that module: a moved function cannot leave a stale import behind."""
+    files = {_module_name(f): f for f in BENCH.rglob("*.py")}
+    bad = []
+    for mod, f in sorted(files.items()):
+        pkg = mod if f.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not node.level:
+                continue
+            parts = pkg.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            if base not in files:
+                bad.append(f"{f.relative_to(ROOT)}: no module {base}")
+                continue
+            names = _top_level_names(files[base])
+            bad += [f"{f.relative_to(ROOT)}: {base} has no {a.name}" for a in node.names
+                    if a.name not in names and f"{base}.{a.name}" not in files]
+    assert not bad, "\n".join(bad)

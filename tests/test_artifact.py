@@ -7,42 +7,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.artifact_fuzz import load_all
+from tests.helpers import CFG, FORMATS, bench_call, synthetic_artifact
 from vllm_temporalkv.cache import layer_quantizers, model_quantizers
-from vllm_temporalkv.calibration import codebook_keys
 from vllm_temporalkv.artifact import (DIGEST_KEY, SCHEMA_VERSION, Artifact, ArtifactError, content_digest,
                                       model_fingerprint)
-from vllm_temporalkv.codecs import make_codec
-from vllm_temporalkv.codecs.quantizer import ChannelStats
-from vllm_temporalkv.formats import get_format, parse_codebook_key
-
-CFG = {
-    "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "hidden_size": 64, "vocab_size": 100,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-}
-FORMATS = ["temporalkv-2bit", "channelkv-1bit", "kvquant-2bit"]
-
-
-def synthetic_artifact(cfg=CFG, formats=FORMATS) -> Artifact:
-    fp = model_fingerprint(cfg)
-    H, D, L = fp["num_kv_heads"], fp["head_dim"], fp["num_layers"]
-    g = torch.Generator().manual_seed(0)
-    stats = {(i, kv): ChannelStats(torch.randn(H, D, generator=g), torch.rand(H, D, generator=g) + 0.5,
-                                   -torch.ones(H, D) * 3, torch.ones(H, D) * 3)
-             for i in range(L) for kv in "kv"}
-    books = {}
-    for key in codebook_keys(formats):
-        shape = make_codec(*parse_codebook_key(key)).codebook_shape(H, D)
-        for i in range(L):
-            for kv in "kv":
-                books[(i, kv, key)] = torch.randn(shape, generator=g).half()
-    methods = {}
-    for f in formats:
-        fmt = get_format(f)
-        m = ["channel", "temporal"] if fmt.hybrid else [fmt.method] * L
-        methods[f] = {"k": m, "v": [fmt.method] * L}
-    return Artifact(fp, formats, methods, {"data": "synthetic"}, stats, books, {})
+from vllm_temporalkv.harness.artifacts import load_all
 
 
 @pytest.fixture
@@ -189,13 +158,18 @@ def test_bad_tensors(saved, edit, why):
         Artifact.load(path)
 
 
+FUZZ = """import json, sys
+from pathlib import Path
+from benchmarks.artifact_fuzz import fuzz
+path, expect, workdir = Path(sys.argv[1]), json.loads(sys.argv[2]), Path(sys.argv[3])
+print(json.dumps(fuzz(path, expect, "temporalkv-2bit", 80, seed=1, workdir=workdir)))"""
+
+
 def test_fuzz_slice(saved, tmp_path):
     """CI's slice of the artifact fuzzer (benchmarks/artifact_fuzz.py runs hundreds on the real artifact):
     every mutation refused with the file and the fix named, or harmless."""
-    from benchmarks.artifact_fuzz import fuzz
-
     _, path = saved
-    r = fuzz(path, model_fingerprint(CFG), "temporalkv-2bit", 80, seed=1, workdir=tmp_path / "fuzz")
+    r = bench_call(FUZZ, path, json.dumps(model_fingerprint(CFG)), tmp_path / "fuzz")
     assert r["unclean"] == [], r["unclean"][:5]
     assert r["outcomes"].get("refused", 0) >= 60, r["outcomes"]
 
@@ -240,15 +214,24 @@ def test_local_kv_heads(monkeypatch, total, local, tp, rank, want):
     assert compat.local_kv_heads(total, local) == want
 
 
+FULL_CALIBRATION = """import json, sys
+from pathlib import Path
+from benchmarks.__main__ import _full_calibration
+print(json.dumps([_full_calibration(Path(p)) for p in sys.argv[1:]]))"""
+
+
 def test_full_calibration_is_every_codebook_format(tmp_path):
     """`python -m benchmarks` re-calibrates unless the default artifact holds every format that has codebooks of its
     own (not the calibration-free ones, mixes or K/V pairs, which no artifact holds)."""
-    from benchmarks.__main__ import _full_calibration
     from vllm_temporalkv.formats import calibrated_formats
 
-    assert _full_calibration(synthetic_artifact(CFG, calibrated_formats()).save(tmp_path / "full.safetensors"))
-    assert not _full_calibration(synthetic_artifact(CFG, ["temporalkv-2bit"]).save(tmp_path / "one.safetensors"))
+    full = synthetic_artifact(CFG, calibrated_formats()).save(tmp_path / "full.safetensors")
+    one = synthetic_artifact(CFG, ["temporalkv-2bit"]).save(tmp_path / "one.safetensors")
     first = synthetic_artifact(CFG, calibrated_formats())
     first.calibration["first_use"] = True  # the small one `vllm-temporalkv serve` makes
-    assert not _full_calibration(first.save(tmp_path / "first.safetensors"))
-    assert not _full_calibration(tmp_path / "missing.safetensors")
+    first = first.save(tmp_path / "first.safetensors")
+    is_full = bench_call(FULL_CALIBRATION, full, one, first, tmp_path / "missing.safetensors")
+    assert is_full[0]
+    assert not is_full[1]
+    assert not is_full[2]
+    assert not is_full[3]

@@ -179,8 +179,8 @@ def test_cli_rejects_bad_format(capsys):
 
 def test_quality_harness_protocol(tiny_artifact, smollm2_dir, tmp_path):
     """The simulated-compression hooks: bf16 is near-lossless, compression hurts, sinks stay exact."""
-    from benchmarks.quality import Simulator, window_nll
     from vllm_temporalkv.corpora import load_corpus, token_windows
+    from vllm_temporalkv.harness.simulate import Simulator, window_nll
     from vllm_temporalkv.models import load_tokenizer
 
     art = Artifact.load(tiny_artifact)
@@ -233,10 +233,10 @@ def test_quality_harness_seed_methods(smollm2_dir, tmp_path):
     """The seed methods in the thesis protocol (the format Simulator, as served): their exact tokens stay
     bit-exact, the rest is changed, fewer bits cost more NLL, and QJL's key surrogate gives attention its score
     estimate."""
-    from benchmarks.quality import Simulator, window_nll
-    from vllm_temporalkv.layout import bits_per_float
     from vllm_temporalkv.codecs import qjl
     from vllm_temporalkv.corpora import load_corpus, token_windows
+    from vllm_temporalkv.harness.simulate import Simulator, window_nll
+    from vllm_temporalkv.layout import bits_per_float
     from vllm_temporalkv.models import load_tokenizer
     from vllm_temporalkv.rope import Rope
 
@@ -288,7 +288,7 @@ def test_tada_layer_bits_search(smollm2_dir):
     more bits (a stand-in NLL: each layer's K/V error times a weight)."""
     from transformers import AutoConfig
 
-    from benchmarks.quality_seeds import SeedSimulator, tada_layer_bits
+    from vllm_temporalkv.harness.seeds import SeedSimulator, tada_layer_bits
 
     cfg = AutoConfig.from_pretrained(smollm2_dir)
     L = cfg.num_hidden_layers

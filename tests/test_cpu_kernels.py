@@ -14,7 +14,7 @@
 import pytest
 import torch
 
-from tests.test_artifact import synthetic_artifact
+from tests.helpers import synthetic_artifact
 from vllm_temporalkv.codecs import base as codec_base
 from vllm_temporalkv.formats import get_format
 from vllm_temporalkv.cache import LayerCache

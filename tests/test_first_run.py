@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from benchmarks.vllm_server import free_port  # noqa: E402
 from vllm_temporalkv.artifact import ENV_ARTIFACT, Artifact, default_artifact_path  # noqa: E402
+from vllm_temporalkv.harness.server import free_port  # noqa: E402
 from vllm_temporalkv.vllm import cli  # noqa: E402
 
 CI_SIZE = ["--calibrate-samples", "2", "--calibrate-seq-len", "256", "--calibrate-iters", "5"]

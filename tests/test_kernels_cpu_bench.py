@@ -69,7 +69,7 @@ def test_vllm_op_loader_asks_for_amx_tiles_as_vllm_worker_holds_them():
     code = (
         "import json, torch\n"
         "from vllm_temporalkv.cpu_isa import amx_permitted, cpu_class\n"
-        "from benchmarks.kernels_cpu import load_vllm_op\n"
+        "from benchmarks.kernels_cpu.vllm_op import load_vllm_op\n"
         "before = amx_permitted()\n"
         "v = load_vllm_op(torch.bfloat16, 64, 128)\n"
         "print(json.dumps(dict(cls=cpu_class(), before=before, after=amx_permitted(), error=v.get('error'),\n"

@@ -5,7 +5,7 @@ its parts; the records hold K and V codes of different sizes (the C++ kernels on
 import pytest
 import torch
 
-from tests.test_artifact import CFG, synthetic_artifact
+from tests.helpers import CFG, synthetic_artifact
 from vllm_temporalkv.cache import layer_quantizers
 from vllm_temporalkv.artifact import Artifact, ArtifactError, model_fingerprint
 from vllm_temporalkv.formats import FORMATS, FormatError, calibrated_formats, check_head_dim, get_format

@@ -6,7 +6,7 @@ pages it gives; the server side is in test_vllm_server."""
 import pytest
 import torch
 
-from tests.test_artifact import CFG, synthetic_artifact
+from tests.helpers import CFG, synthetic_artifact
 from vllm_temporalkv.cache import layer_quantizers
 from vllm_temporalkv.artifact import Artifact, ArtifactError
 from vllm_temporalkv.formats import get_format

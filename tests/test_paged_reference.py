@@ -4,35 +4,11 @@
 import pytest
 import torch
 
-from tests.test_artifact import CFG, synthetic_artifact
+from tests.helpers import expected_kv, make_cache
 from vllm_temporalkv.formats import BLOCK_TOKENS, SINK_TOKENS
-from vllm_temporalkv.cache import LayerCache
 from vllm_temporalkv.ops.paged_torch import gather_kv, paged_attention, write_kv
-from vllm_temporalkv.rope import Rope
 
 FORMATS = ["temporalkv-2bit", "channelkv-1bit", "kvquant-2bit"]
-
-
-def make_cache(fmt, layer, outliers, block_size=32, dtype=torch.bfloat16):
-    from transformers import LlamaConfig
-
-    art = synthetic_artifact(formats=FORMATS)
-    rope = Rope(LlamaConfig(**{k: v for k, v in CFG.items() if k != "architectures"}))
-    return LayerCache.build(fmt, layer, head_dim=art.fingerprint["head_dim"], block_size=block_size, dtype=dtype,
-                            rope=rope, artifact=art, outliers=outliers)
-
-
-def expected_kv(lc, k, v, n):
-    """What the cache should return for the first n tokens of a sequence."""
-    K, V = k[:n].to(lc.dtype).clone(), v[:n].to(lc.dtype).clone()
-    full = n // BLOCK_TOKENS
-    if full > 1:
-        sl = slice(BLOCK_TOKENS, full * BLOCK_TOKENS)
-        pos = torch.arange(BLOCK_TOKENS, full * BLOCK_TOKENS)
-        pre = lc.rope.invert(k[sl].to(lc.dtype), pos).to(lc.dtype)
-        K[sl] = lc.rope.apply(lc.k.decode(lc.k.encode(pre), len(pos), torch.float32), pos).to(lc.dtype)
-        V[sl] = lc.v.roundtrip(v[sl].to(lc.dtype))
-    return K, V
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -12,8 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from tests.test_artifact import CFG
-from tests.test_recent_window import stream_and_check
+from tests.helpers import CFG, stream_and_check
 from vllm_temporalkv.codecs import calibration_free_quantizers, qjl
 from vllm_temporalkv.formats import BLOCK_TOKENS, SINK_TOKENS, FormatError, check_head_dim, get_format
 from vllm_temporalkv.layout import PageLayout, bits_per_float, exact_from

@@ -1,6 +1,10 @@
 """The README's results tables are generated from headline.json: every figure lands in its table."""
 
-from benchmarks.readme import render
+import json
+
+from tests.helpers import bench_call
+
+RENDER = "import json, sys\nfrom benchmarks.readme import render\nprint(json.dumps(render(json.loads(sys.argv[1]))))"
 
 
 def test_render_places_every_kind_of_figure():
@@ -19,7 +23,7 @@ def test_render_places_every_kind_of_figure():
          "fisher.wiki-leads-8w.temporalkv-2bit@fisher.proxy_in_sample": 0.0957,
          "fisher.wiki-leads-8w.temporalkv-2bit@fisher.proxy_held_out": 0.3232,
          "fisher.wiki-leads-8w.temporalkv-2bit@fisher.ppl_held_out": 40.42}
-    text = render(h)
+    text = bench_call(RENDER, json.dumps(h))
     assert "| 16 (bf16) | 32.00 |" in text and "40.50" in text
     pareto = [ln for ln in text.splitlines() if ln.startswith(("| qjl |", "| temporalkv-2bit | 2.08"))]
     assert pareto == ["| qjl | 4.50 | 33.10 | 1.03 |", "| temporalkv-2bit | 2.08 | 40.50 | 1.27 |"]

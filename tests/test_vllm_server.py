@@ -17,7 +17,7 @@ import torch
 openai = pytest.importorskip("openai")
 pytest.importorskip("vllm")
 
-from benchmarks.vllm_server import VLLMServer  # noqa: E402
+from vllm_temporalkv.harness.server import VLLMServer  # noqa: E402
 
 MAX_LEN = 2048
 
@@ -123,11 +123,11 @@ def score(server, ids) -> tuple[float, torch.Tensor]:
 @pytest.fixture(scope="module")
 def hf_scorer(smollm2_dir, tiny_artifact, austen_ids):
     """name -> the text (emma_text) scored in plain transformers (float32) through a reference configuration
-    (benchmarks.quality's names: "bf16", a format, "fmt@window16", ...) under the serving semantics (its "causal"
+    (the quality harness's names: "bf16", a format, "fmt@window16", ...) under the serving semantics (its "causal"
     protocol: earlier blocks decoded, a query's own block exact, 8 sinks exact); mean NLL after the first 8
     tokens, memoized."""
-    from benchmarks.quality import Simulator, token_nlls
     from vllm_temporalkv.artifact import Artifact
+    from vllm_temporalkv.harness.simulate import Simulator, token_nlls
     from vllm_temporalkv.models import load_hf_model
 
     _, ids = austen_ids
@@ -376,7 +376,7 @@ def test_triton_path_serves_like_the_oracle(server_triton, server_4bit, austen_i
 
 
 def _bad_artifacts(tmp_path, tiny_artifact):
-    from tests.test_artifact import synthetic_artifact
+    from tests.helpers import synthetic_artifact
 
     truncated = tmp_path / "truncated.safetensors"
     truncated.write_bytes(tiny_artifact.read_bytes()[:5000])

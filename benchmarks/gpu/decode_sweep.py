@@ -5,7 +5,7 @@
 For each setting (module attributes of ops/triton_decode.py: warps, pipeline stages, tile tokens,
 split waves, the code loads' cache modifier, the codebook loads' eviction policy), a check against
 reference.paged_attention (one request, --check-tokens), then the decode time at each (B, L) with
-the same Timer as benchmarks/kernels.py (CUDA graph, L2 flush, median), with the fp16 paged
+the same timer as benchmarks/kernels (timers.GpuTimer: CUDA graph, L2 flush, median), with the fp16 paged
 baseline of that module timed once per (B, L) in the same run.  Prints a table; writes JSON.
 """
 
@@ -18,8 +18,8 @@ import types
 
 import torch
 
-from .. import kernels as K
 from ..common import run_record
+from ..kernel_common import DEFAULT_BLOCK_SIZE, SHAPES, make_layer_cache
 
 SETTINGS = {  # name: attributes of triton_decode (the first is the committed default), likeliest first
     "default": {},
@@ -61,12 +61,14 @@ def main(argv=None):
 
         os.environ["TRITON_INTERPRET"] = "1"
         a.points, a.settings, a.reps, a.check_tokens = ["1x64"], a.settings[:2], 1, 64
-    K._load_kernels()
+    from ..kernels import measure as K  # imports triton and the kernel modules: after TRITON_INTERPRET is decided
+    from ..timers import GpuTimer
+
     dec = K.triton_decode
     base_attrs = {k: getattr(dec, k) for s in SETTINGS.values() for k in s}
     device, dtype = torch.device("cpu" if a.smoke else "cuda"), torch.bfloat16
-    timer = K.Timer(device, a.reps, 5, True)
-    sh = K.SHAPES["llama8b"]
+    timer = GpuTimer(device, a.reps, 5, True)
+    sh = SHAPES["llama8b"]
     H, HQ, D = sh["h"], sh["hq"], sh["d"]
     points = [tuple(int(x) for x in pt.split("x")) for pt in a.points]
     ns = types.SimpleNamespace(headroom=2 << 30, seed=0, check_requests=1, check_tokens=a.check_tokens)
@@ -74,7 +76,7 @@ def main(argv=None):
     for B, L in points:
         rep["baselines"][f"{B}x{L}"] = K.bench_baselines(ns, "llama8b", B, L, dtype, device, timer)
     for fmt in a.formats:
-        lc = K.make_layer_cache("llama8b", fmt, dtype, 16 if a.smoke else K.DEFAULT_BLOCK_SIZE, False, device, 0)
+        lc = make_layer_cache("llama8b", fmt, dtype, 16 if a.smoke else DEFAULT_BLOCK_SIZE, False, device, 0)
         for name in a.settings:
             for k, v in base_attrs.items():
                 setattr(dec, k, v)

@@ -274,7 +274,7 @@ def plan_serve(args: list[str], *, parser=None, environ=None, cuda: bool | None 
 def tune(plan: ServePlan, args: list[str], environ, *, bf16_units: bool | None = None,
          cpus: list[int] | None = None) -> None:
     """The CPU settings that serve fastest here (cpu_tuning.py), where the user chose none."""
-    from . import cpu_tuning
+    from .. import cpu_tuning
 
     plan.tuned_env = cpu_tuning.serving_env(environ, cpus=cpus)
     if plan.tuned_env:

@@ -60,7 +60,7 @@ def tada_layer_bits(name: str, hf_config, kv_dtype: torch.dtype, nll) -> tuple[l
 
 
 class SeedSimulator:
-    """Fake-quant hook (benchmarks.quality.Simulator's interface) for one seed-method configuration."""
+    """Fake-quant hook (harness.simulate.Simulator's interface) for one seed-method configuration."""
 
     protocol = "thesis"
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from ..cpu_isa import cpu_flags
+from .cpu_isa import cpu_flags
 
 SMALL_MACHINE_CPUS = 2
 

@@ -39,7 +39,7 @@ def set_target_device(env: dict) -> dict:
     tests and benchmarks serve every format as users get it."""
     import torch
 
-    from vllm_temporalkv.vllm.cpu_tuning import serving_env
+    from vllm_temporalkv.cpu_tuning import serving_env
 
     if not torch.cuda.is_available():
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")

@@ -1,0 +1,205 @@
+"""The thesis's simulated KV compression inside a HuggingFace model, as a reference for the served formats.
+
+Inside a HuggingFace model, the pre-RoPE K and V of every layer are replaced by their quantized-
+then-decoded values (hooks on the projections, so RoPE is applied after decoding, as in the thesis);
+the first SINK_TOKENS tokens stay in half precision.  A configuration is named as the quality benchmark
+names it (``benchmarks/quality.py``): ``bf16``, a format, ``<format>-o1`` (1% outliers), ``<format>@<ablation>``.
+Used by the quality, Fisher and needle benchmarks and by the tests that compare a server with its reference.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import torch
+
+from vllm_temporalkv.artifact import Artifact
+from vllm_temporalkv.cache import model_quantizers
+from vllm_temporalkv.codecs import calibration_free_quantizers
+from vllm_temporalkv.formats import get_format
+from vllm_temporalkv.hf_hooks import kv_output_hooks
+
+KV_DTYPE = torch.bfloat16
+
+
+_ABLATION_PART = re.compile(r"unweighted|sinks-compressed|pure-temporal|keys-only|values-only|window\d+|layers\d+-\d+")
+
+
+def ablation_parts(ablation: str | None) -> list[str]:
+    """'keys-only+layers0-5' -> ['keys-only', 'layers0-5']: an ablation may combine parts with '+'; an unknown part
+    is an error (a misspelt one would otherwise measure the plain format)."""
+    parts = [p for p in (ablation or "").split("+") if p]
+    bad = [p for p in parts if not _ABLATION_PART.fullmatch(p)]
+    if bad:
+        raise ValueError(f"unknown ablation {'+'.join(bad)!r}; known: unweighted, sinks-compressed, pure-temporal, "
+                         "keys-only, values-only, windowN, layersA-B (joined with '+')")
+    return parts
+
+
+def window_of(fmt: str, ablation: str | None) -> int:
+    """The recent window a configuration keeps: ``@windowN``, else the format's own."""
+    for p in ablation_parts(ablation):
+        if p.startswith("window"):
+            return int(p.removeprefix("window"))
+    return get_format(fmt).window
+
+
+def layers_of(ablation: str | None) -> range | None:
+    """``@layersA-B``: only layers A..B (inclusive) compressed, the others exact; None = every layer."""
+    for p in ablation_parts(ablation):
+        if p.startswith("layers"):
+            a, b = map(int, p.removeprefix("layers").split("-"))
+            return range(a, b + 1)
+    return None
+
+
+def parse_config(name: str) -> tuple[str | None, bool, str | None]:
+    """'temporalkv-2bit-o1@x' -> ('temporalkv-2bit', True, 'x'); 'bf16' -> (None, False, None)."""
+    base, _, ablation = name.partition("@")
+    if base == "bf16":
+        return None, False, None
+    outliers = base.endswith("-o1")
+    return base.removesuffix("-o1"), outliers, ablation or None
+
+
+class Simulator:
+    """Fake-quant hook for one configuration.
+
+    protocol "thesis": the hook replaces K/V by their decoded values, for every query.
+    protocol "causal": what a decode step of the server sees - a query attends to decoded K/V of
+    the blocks completed before its own block, and to exact K/V of its own (incomplete) block; the
+    hook keeps K/V exact and stashes the decoded values for ``causal_attention``.
+
+    A recent window (the selective formats, ``@windowN``) keeps the last tokens exact as the server does:
+    thesis protocol, those of the whole window; causal, those of each query (``layout.exact_from``)."""
+
+    def __init__(self, name: str, art: Artifact, art_unweighted: Artifact | None, protocol: str = "thesis"):
+        fmt, outliers, ablation = parse_config(name)
+        self.protocol = protocol
+        parts = ablation_parts(ablation)
+        self.sinks = 0 if "sinks-compressed" in parts else None
+        # the diagnosis of where a format loses: only keys or only values compressed, the other half exact
+        self.exact_kind = {"keys-only": "v", "values-only": "k"}.get(next((p for p in parts if p.endswith("-only")), None))
+        self.layers = layers_of(ablation)  # per-layer sensitivity: one layer group compressed at a time
+        self.qs = None
+        self.window = 0
+        self.stash: dict[tuple[int, str], torch.Tensor] = {}
+        if fmt is not None:
+            self.window = window_of(fmt, ablation)
+            f = get_format(fmt)
+            if f.per_layer_pages and not f.needs_calibration:  # QJL: per-layer sketches, keys rotated by the model's
+                # RoPE - built in bind()
+                self.qs, self._free = {}, f
+                return
+            if not f.needs_calibration:
+                pair = calibration_free_quantizers(f)
+                self.qs = collections.defaultdict(lambda: pair)  # the same (stateless) pair for every layer
+                return
+            src = art_unweighted if "unweighted" in parts else art
+            methods = None
+            if "pure-temporal" in parts:
+                methods = {kv: ["temporal"] * art.num_layers for kv in "kv"}
+            self.qs = model_quantizers(fmt, src, outliers=outliers, methods=methods)
+
+    def bind(self, hf_config) -> None:
+        """The model's facts a per-layer format needs (token_nlls calls it): QJL's quantizers per layer."""
+        f = getattr(self, "_free", None)
+        if f is not None and not self.qs:
+            from vllm_temporalkv.artifact import model_fingerprint
+            from vllm_temporalkv.rope import Rope
+
+            fp, rope = model_fingerprint(hf_config), Rope(hf_config)
+            self.qs = {i: calibration_free_quantizers(f, head_dim=fp["head_dim"], layer=i, rope=rope)
+                       for i in range(fp["num_layers"])}
+
+    def __call__(self, layer: int, kind: str, out: torch.Tensor) -> torch.Tensor:
+        x = out.to(KV_DTYPE)
+        if self.qs is not None and kind != self.exact_kind and (self.layers is None or layer in self.layers):
+            q = self.qs[layer][0 if kind == "k" else 1]
+            kw = {} if self.sinks is None else {"sinks": self.sinks}
+            # causal: every whole block decoded (which ones a query sees exactly is causal_attention's business)
+            kw["window"] = self.window if self.protocol == "thesis" else 0
+            xq = torch.stack([q.fake_quant(x[b], **kw) for b in range(x.shape[0])])
+            if self.protocol == "causal":
+                self.stash[(layer, kind)] = xq.to(out.dtype)
+            else:
+                x = xq
+        elif self.qs is not None and self.protocol == "causal":
+            self.stash[(layer, kind)] = x.to(out.dtype)
+        return x.to(out.dtype)
+
+
+_ACTIVE: dict = {}
+
+
+def causal_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers attention function for protocol "causal" (see Simulator)."""
+    from vllm_temporalkv.formats import BLOCK_TOKENS
+
+    sim, rope = _ACTIVE["sim"], _ACTIVE["rope"]
+    layer = module.layer_idx
+    B, Hq, T, D = query.shape
+    g = Hq // key.shape[1]
+    if sim.qs is None:
+        kq, vq = key, value
+    else:
+        pos = torch.arange(T, device=query.device)
+        kq = torch.stack([rope.apply(sim.stash[(layer, "k")][b], pos) for b in range(B)]).transpose(1, 2)
+        vq = sim.stash[(layer, "v")].transpose(1, 2)
+    rep = lambda t: t.float().repeat_interleave(g, 1)  # noqa: E731
+    q = query.float()
+    s_ex = torch.matmul(q, rep(key).transpose(2, 3)) * scaling
+    s_q = torch.matmul(q, rep(kq).transpose(2, 3)) * scaling
+    pos = torch.arange(T, device=query.device)
+    # the query's own (incomplete) block stays exact, and the recent window before it
+    own = (pos[None, :] >= ((pos - sim.window) // BLOCK_TOKENS * BLOCK_TOKENS)[:, None]) & (pos[None, :] <= pos[:, None])
+    causal = torch.arange(T, device=query.device)[None, :] > torch.arange(T, device=query.device)[:, None]
+    p = torch.softmax(torch.where(own, s_ex, s_q).masked_fill(causal, float("-inf")), -1)
+    out = torch.matmul(p * own, rep(value)) + torch.matmul(p * ~own, rep(vq))
+    probe = _ACTIVE.get("probe")
+    if probe is not None:  # benchmarks.needle_nll: how one query's attention finds the needle's tokens
+        qi, span = probe["query"], probe["span"]
+        served = torch.where(own, s_ex, s_q)[0, :, qi, : qi + 1]  # [Hq, keys]: the scores as served
+        probe["layers"][layer] = {name: needle_attention(x, span)
+                                  for name, x in (("exact", s_ex[0, :, qi, : qi + 1]), ("served", served))}
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def needle_attention(scores: torch.Tensor, span: list[int]) -> dict[str, list[float]]:
+    """Per head, from one query's scores [Hq, keys]: the attention mass on the span's keys, and the rank of its best
+    key (how many keys score higher: 0 = the needle is the top key)."""
+    best = scores[:, span].amax(-1, keepdim=True)
+    return {"mass": torch.softmax(scores, -1)[:, span].sum(-1).tolist(),
+            "rank": (scores > best).sum(-1).tolist()}
+
+
+@torch.no_grad()
+def token_nlls(model, ids: torch.Tensor, hook) -> torch.Tensor:
+    """Next-token NLL of every token of ids [T] after the first ([T - 1], float32) under a hook."""
+    if hasattr(hook, "bind"):
+        hook.bind(model.config)
+    if getattr(hook, "protocol", "thesis") == "causal":
+        from transformers import AttentionInterface
+
+        from vllm_temporalkv.rope import Rope
+
+        AttentionInterface.register("tkv_causal", causal_attention)
+        _ACTIVE.update(sim=hook, rope=Rope(model.config))
+        model.set_attn_implementation("tkv_causal")
+    else:
+        model.set_attn_implementation("eager")
+    with kv_output_hooks(model, hook):
+        x = ids[None].to(model.device)
+        logits = model(x).logits.float()
+        return torch.nn.functional.cross_entropy(logits[0, :-1], x[0, 1:], reduction="none").cpu()
+
+
+def window_nll(model, windows: torch.Tensor, hook) -> tuple[float, int]:
+    """Summed next-token NLL and token count over windows [N, T]."""
+    nll, count = 0.0, 0
+    for w in windows:
+        t = token_nlls(model, w, hook)
+        nll += float(t.sum())
+        count += t.numel()
+    return nll, count
