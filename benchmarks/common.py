@@ -145,9 +145,10 @@ def apply_sizes(a, full: dict, small: dict, smoke_prefix: str) -> None:
 def ensure_calibrated(model, fmt: str, environ: dict | None = None) -> None:
     """The model's default artifact covers fmt: what `vllm-temporalkv serve` does on first use (a small calibration,
     or an extension by the missing format)."""
-    from vllm_temporalkv.vllm import cli
+    from vllm_temporalkv import cli
+    from vllm_temporalkv.vllm.cli import serve_parser
 
-    plan = cli.plan_serve(([str(model)] if model else []) + ["--kv-cache-dtype", fmt],
+    plan = cli.plan_serve(([str(model)] if model else []) + ["--kv-cache-dtype", fmt], parser=serve_parser(),
                           environ=dict(os.environ if environ is None else environ))
     decision = cli.decide_calibration(plan)
     if decision.action in ("calibrate", "extend"):

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_triton_kernels import CASES, IDS, _batch, _decode_setup, _tol
+from tests.kernel_cases import CASES, IDS, _batch, _decode_setup, _tol
 from vllm_temporalkv.ops import cuda_emulator as emu, cuda_plan as P, paged_torch as reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -279,7 +279,7 @@ def test_the_cpu_path_does_not_import_the_cuda_loader():
 
 
 def test_select_takes_the_cuda_decode_only_when_asked(monkeypatch):
-    from tests.test_triton_kernels import make_cache
+    from tests.kernel_cases import make_cache
     from vllm_temporalkv import ops
     from vllm_temporalkv.ops import cuda
 
@@ -300,7 +300,7 @@ def test_select_takes_the_cuda_decode_only_when_asked(monkeypatch):
 
 
 def test_unsupported_says_why():
-    from tests.test_triton_kernels import make_cache
+    from tests.kernel_cases import make_cache
 
     lc = make_cache("temporalkv-2bit", 64, True, torch.bfloat16, 1)
     assert P.unsupported(lc, num_query_heads=6) is None
@@ -334,7 +334,7 @@ class _FakeCuda:
 
 
 def test_driver_passes_the_parameter_block():
-    from tests.test_triton_kernels import make_cache
+    from tests.kernel_cases import make_cache
     from vllm_temporalkv.ops import cuda
 
     lc = make_cache("temporalkv-2bit", 128, True, torch.float16, 1)
@@ -395,7 +395,7 @@ def test_cuda_path_forward_with_the_emulator_as_the_kernel(monkeypatch):
     decodes after a chunk (gathered), decodes first (a slice), decode-only steps (one launch) - with the CPU
     emulator standing in for the CUDA launch: the torch path's outputs, its pages bit for bit, every decode row
     through the stand-in."""
-    from tests.test_triton_kernels import H, GQ, _randn
+    from tests.kernel_cases import GQ, H, _randn
     from vllm_temporalkv.ops import cuda, cuda_path
 
     calls = []

@@ -20,7 +20,8 @@ pytest.importorskip("vllm")
 
 from vllm_temporalkv.artifact import ENV_ARTIFACT, Artifact, default_artifact_path  # noqa: E402
 from vllm_temporalkv.harness.server import free_port  # noqa: E402
-from vllm_temporalkv.vllm import cli  # noqa: E402
+from vllm_temporalkv import cli  # noqa: E402
+from vllm_temporalkv.vllm import cli as vllm_cli  # noqa: E402
 
 CI_SIZE = ["--calibrate-samples", "2", "--calibrate-seq-len", "256", "--calibrate-iters", "5"]
 
@@ -134,7 +135,7 @@ def test_first_run_calibrates_serves_and_reuses(tmp_path, smollm2_dir):
 
 @pytest.fixture(scope="module")
 def parser():
-    return cli._serve_parser()
+    return vllm_cli.serve_parser()
 
 
 def plan(parser, args, tmp_model, environ=None, cuda=False):
@@ -300,7 +301,7 @@ def test_reuse_extend_and_leave_alone(parser, model_dir, tiny_artifact, tmp_path
 
 
 def test_missing_calibration_extra_names_the_install(parser, model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "CALIBRATE_EXTRA", ("transformers", "surely_not_installed_pkg"))
+    monkeypatch.setattr(cli.first_use, "CALIBRATE_EXTRA", ("transformers", "surely_not_installed_pkg"))
     p = plan(parser, [str(model_dir), "--kv-cache-dtype", "temporalkv-2bit"], tmp_path)
     with pytest.raises(cli.UsageError, match=r"pip install 'vllm-temporalkv\[calibrate\]'"):
         cli.run_first_use(p, cli.decide_calibration(p))
