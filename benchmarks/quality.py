@@ -226,7 +226,7 @@ def write_markdown(report: dict, path: Path) -> None:
                   "estimates (Artifact.layer_formats)", "", "| format | ppl | bits/float | bits per layer |",
                   "|---|---|---|---|"]
         for n in mixed:
-            per_layer = [get_format(p).bits_per_float for p in res[n]["layer_formats"]]
+            per_layer = [get_format(p).nominal_bits for p in res[n]["layer_formats"]]
             lines.append(f"| {n} | {res[n]['ppl']:.3f} | {res[n]['bits']['total']:.3f} | {per_layer} |")
     seeds = [n for n in res if is_seed_config(n) or (_family(n) in ("selective", "tada", "qjl") and "@" not in n)]
     if seeds:

@@ -35,7 +35,7 @@ def test_artifact_fits_smollm2(tiny_artifact, smollm2_dir):
                        for j, kv in enumerate("kv"))
     assert total["temporalkv-4bit"] < total["temporalkv-2bit"] < total["temporalkv-1bit"], total
     parts = Artifact.load(tiny_artifact, formats=["temporalkv-2bit-mixed"]).layer_formats("temporalkv-2bit-mixed")
-    assert sum(get_format(p).bits_per_float for p in parts) <= 2 * 30 and len(set(parts)) > 1, parts
+    assert sum(get_format(p).nominal_bits for p in parts) <= 2 * 30 and len(set(parts)) > 1, parts
     s = art.stats[(5, "k")]
     assert (s.std > 0).all() and (s.lo < s.hi).all()
 

@@ -77,7 +77,7 @@ def test_shapes_and_bits(fmt):
     c.centroids = torch.randn(c.codebook_shape(H, D))
     codes = c.encode(data(T, H, D))
     # bits actually needed by the codes = nominal bits per float
-    assert codes.numel() * f.code_layout.code_bits == f.bits_per_float * T * H * D
+    assert codes.numel() * f.code_layout.code_bits == f.nominal_bits * T * H * D
     assert int(codes.max()) < f.n_centroids
     # centroid storage matches ChannelKV's for the vector methods (thesis Table 13)
     if f.method != "scalar":

@@ -19,7 +19,7 @@ def test_pair_format_is_its_halves():
     f = get_format(PAIR)
     assert f.kv == (K, V) and f.part("k") is FORMATS[K] and f.part("v") is FORMATS[V]
     assert f.calibrated_formats == [K, V] and PAIR not in calibrated_formats()  # nothing of its own to fit
-    assert f.bits_per_float == 3 and get_format("temporalkv-k4v1").bits_per_float == 2.5
+    assert f.nominal_bits == 3 and get_format("temporalkv-k4v1").nominal_bits == 2.5
     with pytest.raises(ValueError, match="use part"):
         f.code_layout  # noqa: B018 - K and V differ: no one layout to misread
     check_head_dim(f, 64)

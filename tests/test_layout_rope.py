@@ -27,10 +27,10 @@ def test_pack_roundtrip_and_page_bytes(name):
     # half-precision region
     scales = 2 * 128 * 2 * {"selective": 1, "tada": 2}.get(f.method, 0)
     mean = 2 * 128 * 22 * 2 if f.method == "tada" else 0
-    assert lay.bytes == 16 * 2 * D * 2 + 2 * 128 * D * f.bits_per_float // 8 + scales + mean
+    assert lay.bytes == 16 * 2 * D * 2 + 2 * 128 * D * f.nominal_bits // 8 + scales + mean
     extra = (scales + mean) * 8 / (2 * 128 * D)
-    assert lay.ratio_vs_half() == pytest.approx(16 / (f.bits_per_float + 16 * 16 / 128 + extra), rel=1e-9)
-    assert bits_per_float(f, D, 10**9, window=0, num_kv_heads=H)["total"] == pytest.approx(f.bits_per_float + extra,
+    assert lay.ratio_vs_half() == pytest.approx(16 / (f.nominal_bits + 16 * 16 / 128 + extra), rel=1e-9)
+    assert bits_per_float(f, D, 10**9, window=0, num_kv_heads=H)["total"] == pytest.approx(f.nominal_bits + extra,
                                                                                           rel=1e-6)
     # a recent window adds its tokens to every page's region
     if f.window:

@@ -66,7 +66,7 @@ def test_mixed_quantizers_pages_and_bits(tmp_path):
     assert len(set(sizes)) == 3
     fmts = [get_format(p) for p in parts]
     b = bits_per_float(get_format(MIX), D, 10**9, layer_formats=fmts)
-    assert b["codes"] == pytest.approx(sum(f.bits_per_float for f in fmts) / L, rel=1e-6) == pytest.approx(2.0)
+    assert b["codes"] == pytest.approx(sum(f.nominal_bits for f in fmts) / L, rel=1e-6) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="pass layer_formats"):
         bits_per_float(get_format(MIX), D, 2048)
     with pytest.raises(ValueError, match="resolve the layer's part"):

@@ -48,7 +48,9 @@ from .methods import BLOCK_TOKENS, OUTLIER_QUANTILES, SINK_TOKENS, CodeLayout, g
 class KVFormat:
     name: str
     method: str  # one of methods.METHODS
-    bits_per_float: float  # nominal: code bits / floats per vector (not the all-in cost: layout.bits_per_float)
+    # code bits / floats per vector (the name's bits; the all-in cost with scales, sinks, tail, outliers:
+    # layout.bits_per_float)
+    nominal_bits: float
     chunk: int  # floats per vector: tokens (temporal), channels (channel), 1 (scalar, selective, tada)
     n_centroids: int  # codebook size; for selective and tada, the 2**bits code levels
     # per layer and K/V, calibration may choose channel chunking (same l, same bits) where its
@@ -56,7 +58,7 @@ class KVFormat:
     hybrid: bool = False
     window: int = 0  # recent tokens kept in half precision by default (the serving option overrides)
     # a mixed format: per layer one of these formats (same method, other chunk lengths), chosen from the
-    # calibration's per-layer loss estimates under an average of ``bits_per_float`` (artifact.layer_formats)
+    # calibration's per-layer loss estimates under an average of ``nominal_bits`` (mixed.py)
     mix: tuple[str, ...] = ()
     # a K/V pair: keys served as format kv[0], values as kv[1] (one method, other chunk lengths; their codebooks) -
     # the bits go where a format loses most (issue 16: the needle loss is in the keys)
@@ -127,14 +129,14 @@ def _build() -> dict[str, KVFormat]:
     for kb, vb in ((4, 2), (4, 1)):
         k, v = out[f"temporalkv-{kb}bit"], out[f"temporalkv-{vb}bit"]
         name = f"temporalkv-k{kb}v{vb}"
-        out[name] = dataclasses.replace(k, name=name, bits_per_float=(kb + vb) / 2, kv=(k.name, v.name))
+        out[name] = dataclasses.replace(k, name=name, nominal_bits=(kb + vb) / 2, kv=(k.name, v.name))
     for bits in (8, 4):
         out[f"selective-int{bits}"] = KVFormat(f"selective-int{bits}", "selective", bits, 1, 2**bits,
                                                window=get_method("selective").window)
     for bits in (4, 2):  # uniform deviation bits; the paper's per-layer mix is the quality harness's (tada-mixed-3bit)
         out[f"tada-{bits}bit"] = KVFormat(f"tada-{bits}bit", "tada", bits, 1, 2**bits,
                                           window=get_method("tada").window)
-    # bits_per_float / n_centroids: the values' 2-bit codes; the keys' sketch bits are the layout's (key_block_bytes)
+    # nominal_bits / n_centroids: the values' 2-bit codes; the keys' sketch bits are the layout's (key_block_bytes)
     out["qjl"] = KVFormat("qjl", "qjl", 2, 1, 4, window=get_method("qjl").window)
     return out
 

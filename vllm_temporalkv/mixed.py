@@ -33,7 +33,7 @@ def choose_layer_formats(fmt: KVFormat, num_layers: int, cost: Mapping, method_o
     missing = [p for p in fmt.mix if p not in cost]
     if missing:
         raise MissingCosts(missing)
-    bits = {get_format(p).bits_per_float: p for p in fmt.mix}
+    bits = {get_format(p).nominal_bits: p for p in fmt.mix}
     per_layer = {}
     for layer in range(num_layers):
         per_layer[layer] = {}
@@ -41,5 +41,5 @@ def choose_layer_formats(fmt: KVFormat, num_layers: int, cost: Mapping, method_o
             c = cost[p][layer]  # [K/V, temporal/channel]
             per_layer[layer][b] = float(sum(c[j, int(method_of(get_format(p), layer, kv) == "channel")]
                                             for j, kv in enumerate(KV)))
-    choice = search_layer_bits(per_layer, fmt.bits_per_float)
+    choice = search_layer_bits(per_layer, fmt.nominal_bits)
     return [bits[choice[layer]] for layer in range(num_layers)]

@@ -236,7 +236,7 @@ def summary(art: Artifact, path: Path) -> str:
             ks = [i for i, m in enumerate(lm["k"]) if m == "channel"]
             vs = [i for i, m in enumerate(lm["v"]) if m == "channel"]
             hyb = f"K {ks or '-'}  V {vs or '-'}"
-        lines.append(f"{name:18} {fmt.bits_per_float:>4} {art.centroid_bytes(name) / 2**20:>13.2f} MiB  {hyb}")
+        lines.append(f"{name:18} {fmt.nominal_bits:>4} {art.centroid_bytes(name) / 2**20:>13.2f} MiB  {hyb}")
     return "\n".join(lines)
 
 

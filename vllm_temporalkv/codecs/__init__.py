@@ -26,11 +26,11 @@ def calibration_free_quantizers(fmt, *, head_dim: int | None = None, layer: int 
     if fmt.method == "selective":
         from .selective import SelectiveQuantizer
 
-        return SelectiveQuantizer(fmt.bits_per_float), SelectiveQuantizer(fmt.bits_per_float)
+        return SelectiveQuantizer(fmt.nominal_bits), SelectiveQuantizer(fmt.nominal_bits)
     if fmt.method == "tada":
         from .tada import TadaQuantizer
 
-        return TadaQuantizer(fmt.bits_per_float), TadaQuantizer(fmt.bits_per_float)
+        return TadaQuantizer(fmt.nominal_bits), TadaQuantizer(fmt.nominal_bits)
     if fmt.method == "qjl":
         from .qjl import QJLKeyQuantizer, QJLValueQuantizer
 

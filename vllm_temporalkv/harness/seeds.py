@@ -29,7 +29,7 @@ SEED_CONFIGS: dict[str, tuple[str, int]] = {
 
 def tada_format(bits: int):
     """The served TaDA format's description at any deviation bits (tada-4bit / -2bit are the served ones)."""
-    return dataclasses.replace(get_format("tada-4bit"), name=f"tada-{bits}bit", bits_per_float=bits,
+    return dataclasses.replace(get_format("tada-4bit"), name=f"tada-{bits}bit", nominal_bits=bits,
                                n_centroids=2**bits)
 
 
