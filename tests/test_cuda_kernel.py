@@ -10,11 +10,12 @@
 * shared-memory bank conflicts as the design promises: the codebook gathers of vector codes of 4 and 8 floats and
   of every temporal V take one wavefront per half-warp (8-byte loads) / quarter-warp (16-byte), codes of 2 floats
   and scalar codebooks at most 2 wavefronts per 32-lane load; without the V skew V gathers conflict;
-* the loader stays out of the CPU path, ``ops.select`` takes it only when asked and says why not; the driver
+* the loader stays out of the CPU path, ``ops.select`` takes it where it can serve (``=0`` opts out) and says why not; the driver
   marshalling (ctypes) passes the parameter block as the kernel expects.
 """
 
 import ctypes
+import dataclasses
 import json
 import os
 import shutil
@@ -47,6 +48,8 @@ COMPILE_VARIANTS = [
     P.Variant(1, 2, 0, 4, 64, False, False), P.Variant(2, 4, 2, 4, 128, True, False),
     P.Variant(1, 8, 2, 1, 64, False, True, vskew=False),
 ]
+# each compiled for the CTA size serving would launch it with (registers capped at 64K / threads)
+COMPILE_VARIANTS = [dataclasses.replace(v, threads=P.default_threads(v.km, v.vm)) for v in COMPILE_VARIANTS]
 SM80_VARIANTS = 3
 
 
@@ -278,7 +281,7 @@ def test_the_cpu_path_does_not_import_the_cuda_loader():
     assert r.returncode == 0, r.stderr
 
 
-def test_select_takes_the_cuda_decode_only_when_asked(monkeypatch):
+def test_select_takes_the_cuda_decode_where_it_can_serve(monkeypatch):
     from tests.kernel_cases import make_cache
     from vllm_temporalkv import ops
     from vllm_temporalkv.ops import cuda
@@ -286,15 +289,16 @@ def test_select_takes_the_cuda_decode_only_when_asked(monkeypatch):
     lc = make_cache("temporalkv-2bit", 64, True, torch.bfloat16, 1)
     dev = torch.device("cuda")  # select only reads the device type; nothing is allocated there
     monkeypatch.delenv(ops.ENV_CUDA_DECODE, raising=False)
-    mod, name = ops.select(lc, dev)
-    assert mod.__name__.endswith("triton_path") and "CUDA" not in name
-    monkeypatch.setenv(ops.ENV_CUDA_DECODE, "1")
     mod, name = ops.select(lc, dev)  # no GPU here: the loader says why, Triton keeps serving
     assert mod.__name__.endswith("triton_path") and "cannot serve" in name and "no CUDA device" in name
     monkeypatch.setattr(cuda, "prepare", lambda lc, device, num_query_heads=None: None)
-    mod, name = ops.select(lc, dev)
-    assert mod.__name__.endswith("cuda_path") and "not yet run on a GPU" in name and ops.ENV_CUDA_DECODE in name
+    mod, name = ops.select(lc, dev)  # the kernel can serve: it does, by default
+    assert mod.__name__.endswith("cuda_path") and name.startswith("CUDA decode")
     assert hasattr(mod, "plan_step") and hasattr(mod, "forward")  # what the backend calls
+    monkeypatch.setenv(ops.ENV_CUDA_DECODE, "0")  # the way out: the Triton decode, and the log says why
+    mod, name = ops.select(lc, dev)
+    assert mod.__name__.endswith("triton_path") and f"{ops.ENV_CUDA_DECODE}=0" in name
+    monkeypatch.delenv(ops.ENV_CUDA_DECODE)
     monkeypatch.setattr(cuda, "prepare", lambda lc, device, num_query_heads=None: "nvcc failed")
     assert "nvcc failed" in ops.select(lc, dev)[1]
 
@@ -306,6 +310,17 @@ def test_unsupported_says_why():
     assert P.unsupported(lc, num_query_heads=6) is None
     assert "8 query heads" in P.unsupported(lc, num_query_heads=2 * 9)
     assert "half-precision" in P.unsupported(lc.replace(dtype=torch.float32))
+    odd = make_cache("temporalkv-2bit", 64, True, torch.bfloat16, 1, block_size=24)
+    assert "power-of-two" in P.unsupported(odd)  # the kernel finds pages by shifts
+
+
+def test_default_cta_size_per_code_path():
+    lc = __import__("tests.kernel_cases", fromlist=["make_cache"]).make_cache("temporalkv-2bit", 128, False,
+                                                                              torch.bfloat16, 1)
+    assert P.variant_of(lc).threads == P.THREADS_TEMPORAL and P.variant_of(lc).name.endswith("-t384")
+    assert P.make_launch(lc, 8, 32, 32768).plan.threads == P.THREADS_TEMPORAL
+    assert P.make_launch(lc, 8, 32, 32768, threads=256).plan.threads == 256
+    assert P.default_threads(1, 0) == P.default_threads(2, 2) == P.THREADS  # channel / scalar paths would spill
 
 
 class _FakeCuda:

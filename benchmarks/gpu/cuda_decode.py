@@ -17,9 +17,12 @@
            decode, torch SDPA on dense K/V and the fp16 paged Triton kernel (benchmarks.kernels), each from a CUDA
            graph behind an L2 flush, after a check of each configuration's first requests against the oracle;
            bytes read and their fraction of the copy bandwidth measured in the same run.
-Writes cuda_decode.json (and .md) to --out; the issue's headline keys (kernels.<card>.b8-l32768.temporalkv-2bit.
-speedup_vs_sdpa, ...) are in its "headline" for the CUDA kernel, not merged into benchmarks/results/headline.json
-(the kernel serves only when asked).  Exit status 1 when a check fails (results still written).
+Writes cuda_decode.json (and .md) to --out; its "headline" (kernels.<card>.b8-l32768.temporalkv-2bit.speedup_vs_sdpa,
+...: the decode that serves on a GPU) is merged into benchmarks/results/headline.json.  The box's copy of the repo
+is gone with the box, so after fetching the report:
+    python -m benchmarks.gpu.cuda_decode --merge-headline benchmarks/results/cuda-decode/cuda_decode.json
+recomputes the figures from the stored rows and merges them here.  Exit status 1 when a check fails (results still
+written, failing rows kept out of the headline).
 """
 
 from __future__ import annotations
@@ -34,11 +37,9 @@ from pathlib import Path
 
 import torch
 
+from .cuda_report import _f, headline, markdown, write_report
+
 DEFAULT_FORMATS = ["temporalkv-2bit", "temporalkv-1bit", "temporalkv-4bit"]
-
-
-def _f(x, spec=".4f"):
-    return "-" if x is None else format(x, spec)
 
 
 # ---- 1. probe ------------------------------------------------------------------------------------------------------
@@ -101,7 +102,7 @@ def kernel(dry: bool):
     from vllm_temporalkv.ops import cuda_emulator as emu
 
     def emulated(lc, pages, query, key, value, qsl, seq_lens, block_tables, scale, out=None, *, splits=None,
-                 units=None):
+                 units=None, threads=None):  # threads: the emulator replays the default units
         res = emu.paged_attention(lc, pages, query, key, value, qsl, seq_lens, block_tables, scale, splits=splits,
                                   units=units)
         if out is None:
@@ -278,6 +279,14 @@ def timings(a, report: dict, dry: bool) -> bool:
                         full = (lc, pages, q, key, val, qsl, sl, bt, scale)
                         row["cuda_ms"] = timer(lambda: fn(*full, out))
                         row["triton_ms"] = timer(lambda: K.triton_decode.paged_attention(*full, out=out))
+                    for T in a.threads:  # other CTA sizes (registers capped at 64K / T), checked then timed
+                        if T == launch.variant.threads:
+                            continue
+                        chk_t = compare(poisoned_run(fn, *args, threads=T), ref, dtype, [n] * c)
+                        row[f"check_t{T}_max_abs_err"] = chk_t["max_abs_err"]
+                        ok &= chk_t["ok"]
+                        if not dry:
+                            row[f"cuda_t{T}_ms"] = timer(lambda: fn(*full, out, threads=T))
                     del pages, bt
                 except torch.cuda.OutOfMemoryError:
                     row["skipped"] = "out of memory"
@@ -292,6 +301,10 @@ def timings(a, report: dict, dry: bool) -> bool:
                            gbps=None if ms is None else parts["total"] / (ms * 1e-3) / 1e9)
                 row["bw_fraction"] = None if row["gbps"] is None or not copy_gbps else row["gbps"] / copy_gbps
                 rows.append(row)
+                for T in a.threads:
+                    if f"check_t{T}_max_abs_err" in row:
+                        print(f"  threads {T}: cuda {_f(row.get(f'cuda_t{T}_ms'))} ms (x{_f(K._ratio(ms, row.get(f'cuda_t{T}_ms')), '.2f')} "
+                              f"the default's), err {row[f'check_t{T}_max_abs_err']:.1e}")
                 print(f"{a.shape} B={B} L={Lr} {f}: cuda {_f(ms)} ms, triton {_f(row.get('triton_ms'))}, sdpa "
                       f"{_f(row['sdpa_ms'])}, fp16 paged {_f(row['fp16_paged_ms'])}; x{_f(row['speedup_vs_sdpa'], '.2f')} "
                       f"SDPA, x{_f(row['speedup_vs_fp16_paged'], '.2f')} fp16 paged, bw {_f(row['bw_fraction'], '.2f')}; "
@@ -300,38 +313,6 @@ def timings(a, report: dict, dry: bool) -> bool:
                 write_report(a, report | dict(rows=rows))
     report["rows"] = rows
     return ok
-
-
-def headline(report: dict) -> dict:
-    from benchmarks.kernel_common import shape_key
-
-    out = {}
-    for r in report.get("rows", []):
-        if (r["B"], r["L"]) not in ((1, 32768), (8, 32768)) or not r.get("check_ok") or r.get("cuda_ms") is None:
-            continue
-        for m in ("speedup_vs_sdpa", "speedup_vs_fp16_paged", "bw_fraction", "speedup_vs_triton"):
-            if r.get(m) is not None:
-                out[f"kernels.{report['device_tag']}.{shape_key(r['shape'], r['B'], r['L'])}.{r['format']}.{m}"] = r[m]
-    return out
-
-
-def markdown(report: dict) -> str:
-    lines = [f"# CUDA decode kernel: {report['device']} ({report.get('timer')}, copy {_f(report.get('copy_gbps'), '.0f')} GB/s)",
-             "", "| B | L | format | CUDA ms | Triton ms | SDPA ms | fp16 paged ms | x SDPA | x fp16 paged | x Triton | "
-             "bw frac | splits | units | err |", "|" + "---|" * 14]
-    for r in report.get("rows", []):
-        lines.append(f"| {r['B']} | {r['L']} | {r['format']} | {_f(r.get('cuda_ms'))} | {_f(r.get('triton_ms'))} | "
-                     f"{_f(r.get('sdpa_ms'))} | {_f(r.get('fp16_paged_ms'))} | {_f(r.get('speedup_vs_sdpa'), '.2f')} | "
-                     f"{_f(r.get('speedup_vs_fp16_paged'), '.2f')} | {_f(r.get('speedup_vs_triton'), '.2f')} | "
-                     f"{_f(r.get('bw_fraction'), '.2f')} | {r.get('splits', '-')} | {r.get('units', '-')} | "
-                     f"{_f(r.get('check_max_abs_err'), '.1e')} |")
-    return "\n".join(lines) + "\n"
-
-
-def write_report(a, report: dict) -> None:
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cuda_decode.json").write_text(json.dumps(report, indent=1, default=str))
 
 
 def main(argv=None) -> int:
@@ -344,6 +325,8 @@ def main(argv=None) -> int:
     p.add_argument("--context", nargs="+", type=int, default=[8192, 32768])
     p.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS)
     p.add_argument("--block-size", type=int, default=1024)
+    p.add_argument("--threads", nargs="+", type=int, default=[],
+                   help="also check and time these CTA sizes (384, 512: more warps per SM, fewer registers each)")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--check-requests", type=int, default=2)
@@ -354,6 +337,17 @@ def main(argv=None) -> int:
     p.add_argument("--skip", nargs="*", default=[], choices=("probe", "build", "check", "time"))
     p.add_argument("--ncu-one", default=None, metavar="FORMAT:B:L",
                    help="launch the CUDA kernel on one configuration twice and exit (for ncu --launch-skip 1)")
+    p.add_argument("--merge-headline", metavar="REPORT", default=None,
+                   help="no run: merge a stored cuda_decode.json's headline figures into benchmarks/results/headline.json")
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--merge-headline"]:
+        from benchmarks.common import merge_headline
+
+        figures = headline(json.loads(Path(argv[1]).read_text()))
+        merge_headline(figures)
+        print(json.dumps(figures, indent=1))
+        return 0
     a = p.parse_args(argv)
     dry = a.dry_run
     if not dry and not torch.cuda.is_available():
@@ -380,6 +374,10 @@ def main(argv=None) -> int:
     if "time" not in a.skip:
         ok &= timings(a, report, dry)
     report["headline"] = headline(report)
+    if not dry and report["headline"]:
+        from benchmarks.common import merge_headline
+
+        merge_headline(report["headline"])
     report["ok"], report["seconds"] = bool(ok), time.time() - t0
     write_report(a, report)
     md = markdown(report)
@@ -396,7 +394,8 @@ def build_all(a, dry: bool) -> dict:
     from vllm_temporalkv.ops import cuda, cuda_plan as P
 
     variants = {P.variant_of(make_cache(*c)) for c in CASES}
-    variants |= {P.Variant(0, l, 0, l, 128, False, True) for l in (2, 4, 8)}  # the timed formats
+    variants |= {P.Variant(0, l, 0, l, 128, False, True, True, t) for l in (2, 4, 8)
+                 for t in {P.THREADS_TEMPORAL, *a.threads}}  # the timed formats
     cap = (9, 0) if dry else torch.cuda.get_device_capability()
     out = {}
     if not dry and cuda.find_nvcc():  # nvcc in parallel first (the box has 16 cores); loading then hits the cache

@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu/h100.sh add PARTDIR       one more part of the vLLM 0.26 bundle (../shared/tools/gpu-vllm)
 #   bash benchmarks/gpu/h100.sh vllm PARTDIR SHA  the last part, install, benchmarks.throughput (dummy 8B shape;
 #                                                TP_FORMATS, TP_SHAPES override the formats and IN-OUT:PROMPTS)
+#   bash benchmarks/gpu/h100.sh prof             issue 32: ncu --set full on one CUDA decode launch, stalls per SASS line
 #   bash benchmarks/gpu/h100.sh cuda             issue 32's CUDA decode kernel: layout probe, nvcc builds, checks
 #                                                against the oracle (poisoned output, emulator, CUDA graph), timings
 #                                                beside Triton / SDPA / fp16 paged (CUDA_ARGS extends them), ncu
@@ -51,6 +52,17 @@ smsp__sass_inst_executed_op_shared_ld.sum,dram__bytes_read.sum,gpu__time_duratio
       python3 -m benchmarks.gpu.cuda_decode --out $OUT/cuda --ncu-one temporalkv-2bit:8:32768 2>&1 | tee $OUT/ncu.txt
   fi
   exit $rc ;;
+prof)  # issue 32: where the CUDA decode's time goes - ncu's full set on one B = 8, L = 32k launch, per-SASS stalls
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee $OUT/gpu.txt
+  export VLLM_TEMPORALKV_CUDA_CACHE=/tmp/tkv-cuda-cache
+  one=${PROF_ONE:-temporalkv-2bit:8:32768}
+  timeout 200 ncu --kernel-name tkv_decode --launch-skip 1 --launch-count 1 --set full --import-source yes \
+    --export /tmp/prof -f python3 -m benchmarks.gpu.cuda_decode --out /tmp/c --ncu-one $one > $OUT/ncu-run.log 2>&1
+  ncu -i /tmp/prof.ncu-rep --page details > $OUT/details.txt 2>&1
+  ncu -i /tmp/prof.ncu-rep --page source --csv --print-source sass > $OUT/source-sass.csv 2>&1
+  ncu -i /tmp/prof.ncu-rep --page source --csv --print-source cuda > $OUT/source-cuda.csv 2>&1
+  for f in /tmp/tkv-cuda-cache/*k0l4-v0l4-d128-o0-bf16-t384*.cubin; do cuobjdump -sass "$f" > $OUT/sass.txt 2>&1; done
+  ls -l $OUT; grep -E "Duration|Issue Slots|Warp Cycles Per Issued|Achieved Occupancy|Registers|No Eligible|One or More|Theoretical Occ" $OUT/details.txt | head -30 ;;
 vllm)
   add_part "$parts" && bash "$parts"/on-device.sh install "${3:?sha256}" 2>&1 | tail -3 || exit 1
   export PYTHONPATH=/root/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0

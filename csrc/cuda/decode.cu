@@ -35,31 +35,41 @@ __device__ __forceinline__ void load_table(uint8_t* tab, const uint16_t* cb, int
   } else {
     constexpr int EB = 2 * VEC;
     const uint16_t* src = cb + int64_t(h) * G * KC * VEC;
+    // a warp copies 4 consecutive codes x 8 groups: 32-byte runs of the source (whole sectors) and 4 shared-memory
+    // wavefronts per 8-byte copy (code-major, one entry per lane, put the 32 lanes 256 bytes apart: 32 wavefronts)
+    static_assert(G % 8 == 0 && KC % 4 == 0, "table copy order");
     for (int e = threadIdx.x; e < G * KC; e += blockDim.x) {
-      const int g = e / KC, code = e % KC;
-      cp_async<EB>(tab + entry_index(g, code, G) * EB, src + int64_t(e) * VEC);
+      const int blk = e >> 5, sub = e & 31;
+      const int code = (blk % (KC / 4)) * 4 + (sub & 3), g = (blk / (KC / 4)) * 8 + (sub >> 2);
+      cp_async<EB>(tab + entry_index(g, code, G) * EB, src + (int64_t(g) * KC + code) * VEC);
     }
   }
 }
 
 // cp.async the code bytes of a tile's 4 blocks (K then V) into a stage; blocks outside [SINKS, cend) are skipped
-// (their stale bytes are still valid codes; their scores are masked)
+// (their stale bytes are still valid codes; their scores are masked).  Unsigned, compile-time chunk counts and the
+// page size as a shift (unsupported() refuses other sizes): a run-time division here cost ~200 instructions per
+// warp-tile, a fifth of the loop (ncu, 2026-11-26).  hrec: this KV head's record in page 0.
 template <class C>
-__device__ __forceinline__ void issue_codes(const DecodeParams& p, uint8_t* stage, const int32_t* btr, int h, int t0,
-                                            int cend, int ut) {
-  constexpr int NT = C::WPT * 32, PK = C::KCB / 16, PV = C::VCB / 16;
-  for (int c = ut; c < 4 * (PK + PV); c += NT) {
+__device__ __forceinline__ void issue_codes(const DecodeParams& p, uint8_t* stage, const int32_t* btr,
+                                            const uint8_t* hrec, unsigned page_bytes, unsigned bsh, int t0, int cend,
+                                            int ut) {
+  constexpr unsigned NT = C::WPT * 32, PK = C::KCB / 16, PV = C::VCB / 16, CH = 4 * (PK + PV);
+#pragma unroll
+  for (unsigned c0 = 0; c0 < CH; c0 += NT) {
+    const unsigned c = c0 + unsigned(ut);
+    if (CH % NT != 0 && c >= CH) continue;
     const bool isv = c >= 4 * PK;
-    const int cc = isv ? c - 4 * PK : c;
-    const int b = isv ? cc / PV : cc / PK;
-    const int off = (isv ? cc % PV : cc % PK) * 16;
-    const int tok = t0 + BLOCK * b;
+    const unsigned cc = isv ? c - 4 * PK : c;
+    const unsigned b = isv ? cc / PV : cc / PK;
+    const unsigned off = (isv ? cc % PV : cc % PK) * 16;
+    const int tok = t0 + BLOCK * int(b);
     if (tok < SINKS || tok >= cend) continue;
-    const int64_t page = btr[tok / p.block_size];
-    const int slot = (tok % p.block_size) / BLOCK;
-    const uint8_t* rec = p.pages + (page * p.H + h) * p.rec_bytes;
-    if (isv) cp_async<16>(stage + 4 * C::KCB + b * C::VCB + off, rec + p.v_codes + int64_t(slot) * C::VCB + off);
-    else cp_async<16>(stage + b * C::KCB + off, rec + p.k_codes + int64_t(slot) * C::KCB + off);
+    const unsigned page = unsigned(btr[unsigned(tok) >> bsh]);
+    const unsigned slot = (unsigned(tok) & ((1u << bsh) - 1)) / BLOCK;
+    const uint8_t* rec = hrec + uint64_t(page) * page_bytes;  // one IMAD.WIDE.U32: a page is < 4 GiB
+    if (isv) cp_async<16>(stage + 4 * C::KCB + b * C::VCB + off, rec + p.v_codes + slot * C::VCB + off);
+    else cp_async<16>(stage + b * C::KCB + off, rec + p.k_codes + slot * C::KCB + off);
   }
 }
 
@@ -88,12 +98,15 @@ __device__ void decode_body(const DecodeParams& p) {
   const int lo = split * p.tiles_per_split;
   const int hi = min(lo + p.tiles_per_split, n_tiles);
   uint8_t* stg = smem + p.off_stage + unit * 2 * p.stage_bytes;
+  const unsigned bsh = __ffs(p.block_size) - 1;  // pages of 2^bsh tokens
+  const unsigned page_bytes = unsigned(p.H * p.rec_bytes);  // one page's records (< 4 GiB)
+  const uint8_t* hrec = p.pages + int64_t(h) * p.rec_bytes;
 
   load_table<C::KM, C::KVEC, C::KG, C::KKC, D>(tabK, p.kcb, h);
   load_table<C::VM, C::VVEC, C::VG, C::VKC, D>(tabV, p.vcb, h);
   cp_async_commit();
   int t = lo + unit;
-  if (t < hi) issue_codes<C>(p, stg, btr, h, t * TILE, cend, ut);
+  if (t < hi) issue_codes<C>(p, stg, btr, hrec, page_bytes, bsh, t * TILE, cend, ut);
   cp_async_commit();
 
   // per-lane constants (overlap the copies): K statistics and RoPE factors, the query of head n (B columns)
@@ -152,7 +165,8 @@ __device__ void decode_body(const DecodeParams& p) {
     }
     const int tn = t + p.units;
     const uint8_t* cur = stg + (it & 1) * p.stage_bytes;
-    if (tn < hi) issue_codes<C>(p, stg + ((it + 1) & 1) * p.stage_bytes, btr, h, tn * TILE, cend, ut);
+    if (tn < hi) issue_codes<C>(p, stg + ((it + 1) & 1) * p.stage_bytes, btr, hrec, page_bytes, bsh, tn * TILE, cend,
+                                 ut);
     cp_async_commit();
     const uint4 bc0 = bnext[0], bc1 = bnext[1];
     ocur = onext;
@@ -194,23 +208,30 @@ __device__ void decode_body(const DecodeParams& p) {
     }
     if (C::XCHG) {  // the pair's two halves of the channels (and K outliers' corrections) meet in shared memory
       float* xs = xw + (it & 1) * C::WPT * 256;
-      float4* mine = reinterpret_cast<float4*>(xs + wu * 256 + lane * 8);
-      mine[0] = make_float4(S[0][0], S[0][1], S[0][2], S[0][3]);
-      mine[1] = make_float4(S[1][0], S[1][1], S[1][2], S[1][3]);
+      float4* mine = reinterpret_cast<float4*>(xs + wu * 256);  // [2 m-tiles][32 lanes] float4 (frag_slot)
+      mine[lane] = make_float4(S[0][0], S[0][1], S[0][2], S[0][3]);
+      mine[32 + lane] = make_float4(S[1][0], S[1][1], S[1][2], S[1][3]);
       if (C::OUTL) {
         __syncwarp();
         k_outliers<C>(ocur, p, stK, tabK, qs, xs + wu * 256, h, t, wu, lane);
       }
       unit_sync<C>(unit);
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
+      for (int mt = 0; mt < 2; ++mt) {
+        float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          float s = 0.f;
-#pragma unroll
-          for (int w = 0; w < C::WPT; ++w) s += xs[w * 256 + lane * 8 + mt * 4 + c];
-          S[mt][c] = s;
+        for (int w = 0; w < C::WPT; ++w) {  // 16-byte loads, in the order the emulator sums
+          const float4 x = reinterpret_cast<const float4*>(xs + w * 256)[mt * 32 + lane];
+          s.x += x.x;
+          s.y += x.y;
+          s.z += x.z;
+          s.w += x.w;
         }
+        S[mt][0] = s.x;
+        S[mt][1] = s.y;
+        S[mt][2] = s.z;
+        S[mt][3] = s.w;
+      }
     }
 
     // online softmax (base 2) over the lane's rows n, n + 8 of both m-tiles (block n / 2 of the tile)
@@ -228,7 +249,7 @@ __device__ void decode_body(const DecodeParams& p) {
 #pragma unroll
       for (int o = 4; o < 32; o <<= 1) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], o));
       const float mn = fmaxf(m[i], mx[i]);
-      alpha[i] = mn == -INFINITY ? 1.f : exp2f(m[i] - mn);
+      alpha[i] = mn == -INFINITY ? 1.f : ex2(m[i] - mn);
       m[i] = mn;
       l[i] *= alpha[i];
     }
@@ -237,7 +258,7 @@ __device__ void decode_body(const DecodeParams& p) {
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        pv[mt][c] = valid ? exp2f(S[mt][c] - m[c & 1]) : 0.f;
+        pv[mt][c] = valid ? ex2(S[mt][c] - m[c & 1]) : 0.f;
         l[c & 1] += pv[mt][c];
       }
 #pragma unroll
@@ -251,9 +272,9 @@ __device__ void decode_body(const DecodeParams& p) {
       bp[mt][1] = movmatrix_trans(pack_h2(pv[mt][2], pv[mt][3]));
     }
     if (C::OUTL) {
-      float4* mp = reinterpret_cast<float4*>(pw + lane * 8);
-      mp[0] = make_float4(pv[0][0], pv[0][1], pv[0][2], pv[0][3]);
-      mp[1] = make_float4(pv[1][0], pv[1][1], pv[1][2], pv[1][3]);
+      float4* mp = reinterpret_cast<float4*>(pw);  // [2 m-tiles][32 lanes] float4 (frag_slot)
+      mp[lane] = make_float4(pv[0][0], pv[0][1], pv[0][2], pv[0][3]);
+      mp[32 + lane] = make_float4(pv[1][0], pv[1][1], pv[1][2], pv[1][3]);
       if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // the running max moved
         const int g = lane & 7;
         const float a0 = __shfl_sync(0xffffffffu, alpha[0], g >> 1), a1 = __shfl_sync(0xffffffffu, alpha[1], g >> 1);
@@ -350,10 +371,13 @@ __device__ void decode_body(const DecodeParams& p) {
 #ifndef TKV_VSKEW
 #define TKV_VSKEW 1
 #endif
+#ifndef TKV_THREADS  // the CTA's most threads: with one CTA per SM, registers per thread <= 64K / TKV_THREADS
+#define TKV_THREADS 256
+#endif
 
 typedef tkvc::Cfg<TKV_KM, TKV_KL, TKV_VM, TKV_VL, TKV_D, TKV_OUTL != 0, TKV_BF16 != 0, TKV_VSKEW != 0> TkvCfg;
 
-extern "C" __global__ void __launch_bounds__(256, 1) tkv_decode(const __grid_constant__ tkvc::DecodeParams p) {
+extern "C" __global__ void __launch_bounds__(TKV_THREADS, 1) tkv_decode(const __grid_constant__ tkvc::DecodeParams p) {
   tkvc::decode_body<TkvCfg>(p);
 }
 

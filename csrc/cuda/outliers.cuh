@@ -30,8 +30,9 @@ __device__ __forceinline__ void outlier_load(OutlierRegs& o, const DecodeParams&
     if (e >= 4 * p.cap) continue;
     const int b = e / p.cap, kk = e % p.cap, tok = t0 + 8 * b;
     if (tok < SINKS || tok >= cend) continue;
-    const int64_t page = btr[tok / p.block_size];
-    const int slot = (tok % p.block_size) / BLOCK;
+    const unsigned bsh = __ffs(p.block_size) - 1;  // pages of 2^bsh tokens (unsupported() refuses others)
+    const int64_t page = btr[unsigned(tok) >> bsh];
+    const int slot = int((unsigned(tok) & ((1u << bsh) - 1)) / BLOCK);
     const uint8_t* rec = p.pages + (page * p.H + blockIdx.y) * p.rec_bytes;
     const int64_t at = (int64_t(slot) * p.cap + kk) * 2;
     o.k[x] = uint32_t(*reinterpret_cast<const uint16_t*>(rec + p.k_idx + at)) |
@@ -42,10 +43,12 @@ __device__ __forceinline__ void outlier_load(OutlierRegs& o, const DecodeParams&
   (void)h;
 }
 
-// slot of score / weight (token T of the tile, head g) in a lane-major [32 lanes][8] buffer of the fragments
+// slot of score / weight (token T of the tile, head g) in a [2 m-tiles][32 lanes][4] buffer of the fragments: each
+// lane's 4 values of an m-tile are one float4, so a warp's 16-byte stores and loads of it take the ideal 4 wavefronts
+// (a lane-major [32][8] layout put lanes 32 bytes apart: 8 wavefronts per STS.128, 8 per scalar LDS)
 __device__ __forceinline__ int frag_slot(int T, int g) {
   const int n = T >> 2, mt = (T >> 1) & 1, rh = T & 1;
-  return (4 * n + (g >> 1)) * 8 + mt * 4 + 2 * rh + (g & 1);
+  return mt * 128 + (4 * n + (g >> 1)) * 4 + 2 * rh + (g & 1);
 }
 
 template <class C>

@@ -342,10 +342,10 @@ def describe(lc, device: torch.device) -> str:
 def paged_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     scale: float, out: torch.Tensor | None = None, *, splits: int | None = None,
-                    units: int | None = None, max_position: int | None = None) -> torch.Tensor:
+                    units: int | None = None, max_position: int | None = None, threads: int | None = None) -> torch.Tensor:
     """CUDA twin of ``triton_decode.paged_attention``: request r's one query token is query[r]
     (``query_start_loc`` is not read).  Reads only device tensors and makes no host sync.  ``splits`` / ``units``
-    override the launch heuristic (tests)."""
+    override the launch heuristic (tests), ``threads`` the CTA size compiled in (benchmarks)."""
     R, HQ, D = query.shape
     H = key.shape[1]
     if R != seq_lens.shape[0]:
@@ -358,7 +358,8 @@ def paged_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Ten
     lay = lc.layout
     cap, sms, smem_limit = _device_limits(device)
     cap_tokens = block_tables.shape[1] * lay.block_size
-    L = P.make_launch(lc, R, HQ, cap_tokens, sms=sms, smem_limit=smem_limit, splits=splits, units=units)
+    L = P.make_launch(lc, R, HQ, cap_tokens, sms=sms, smem_limit=smem_limit, splits=splits, units=units,
+                      threads=threads)
     _, dec, mer, _, state = module(L.variant, device)
     if state["smem"] < L.plan.bytes:
         driver().set_smem(dec, L.plan.bytes)

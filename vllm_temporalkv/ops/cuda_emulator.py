@@ -482,9 +482,9 @@ def v_mma(acc, vd, o0, bp):
     return acc
 
 
-def frag_slot(T, g):
+def frag_slot(T, g):  # [2 m-tiles][32 lanes][4]: one float4 per lane and m-tile (conflict-free 16-byte accesses)
     n, mt, rh = T >> 2, (T >> 1) & 1, T & 1
-    return (4 * n + (g >> 1)) * 8 + mt * 4 + 2 * rh + (g & 1)
+    return mt * 128 + (4 * n + (g >> 1)) * 4 + 2 * rh + (g & 1)
 
 
 # ---- one decode step ------------------------------------------------------------------------------------------------
@@ -619,7 +619,7 @@ def _unit(v, plan, L, T, sm, pages, bt, r, h, unit, lo, hi, cend, tabK, tabV, kc
         outl = _outlier_entries(L, lay, flat, bt, r, h, t0, cend, v.bf16) if v.outliers else []
         stK, stV = cur, cur + 4 * kcb_b
         OPS["_warp_tiles"] += WPT
-        xs = torch.zeros(WPT, 32, 8)
+        xs = torch.zeros(WPT, 2, 32, 4)
         for u in range(WPT):
             kk = kconsts[(h, u)]
             row = base_cs[t].view(-1)  # [D/4 * 2]: entries 16u + 4j + kc
@@ -636,7 +636,7 @@ def _unit(v, plan, L, T, sm, pages, bt, r, h, unit, lo, hi, cend, tabK, tabV, kc
                     k_temporal_mma(v, sm, tabK, c, kk, cw, qb, S)
             else:
                 k_channel_mma(v, sm, stK, tabK, kk, qb, S)
-            xs[u] = torch.cat(S, 1)
+            xs[u] = torch.stack(S, 0)  # [2 m-tiles][32 lanes][4], decode.cu's exchange layout
             if v.outliers:
                 _k_outliers(v, L, T, sm, stK, tabK, qs, xs[u].view(-1), h, t, u, outl)
         # pair sum, softmax, V: both warps compute the same softmax
@@ -644,7 +644,7 @@ def _unit(v, plan, L, T, sm, pages, bt, r, h, unit, lo, hi, cend, tabK, tabV, kc
         tb = t0 + BLOCK * (n >> 1)
         valid = (tb >= SINKS) & (tb < cend)
         for u in range(WPT):
-            Sm = [Ssum[:, 0:4].clone(), Ssum[:, 4:8].clone()]
+            Sm = [Ssum[0].clone(), Ssum[1].clone()]
             mx = [torch.full((32,), NEG_INF), torch.full((32,), NEG_INF)]
             for mt in range(2):
                 for c in range(4):
@@ -667,7 +667,7 @@ def _unit(v, plan, L, T, sm, pages, bt, r, h, unit, lo, hi, cend, tabK, tabV, kc
             bp = [[movmatrix_trans(pack_h2(pv[mt][:, 0], pv[mt][:, 1])),
                    movmatrix_trans(pack_h2(pv[mt][:, 2], pv[mt][:, 3]))] for mt in range(2)]
             if v.outliers:
-                pw = torch.cat(pv, 1).reshape(-1)
+                pw = torch.stack(pv, 0).reshape(-1)
                 g = torch.arange(GQP)
                 a0 = alpha[0][g >> 1]
                 a1 = alpha[1][g >> 1]

@@ -17,7 +17,10 @@ from ..methods import BLOCK_TOKENS, KERNEL_CHANNEL_VECTOR, KERNEL_SCALAR, KERNEL
 TILE = 32  # tokens per tile (csrc/cuda/maps.cuh TILE)
 GQP = 8  # query heads per KV head one mma column block serves
 SLICE = 64  # channels per warp
-THREADS_MAX = 256
+THREADS = 256  # threads per CTA: decode.cu's __launch_bounds__ (TKV_THREADS) caps registers at 64K / threads
+# temporal K and V codes: 12 warps per SM (<= 168 registers, no spills, outliers too) decode 1.06-1.17x faster than 8
+# on the H100 (B = 8, L = 32k; benchmarks/results/cuda-decode); channel / scalar paths would spill there
+THREADS_TEMPORAL = 384
 SMEM_LIMITS = {(9, 0): 232448, (8, 0): 166912, (8, 6): 101376, (8, 9): 101376, (8, 7): 166912}  # opt-in bytes/block
 FP16_MAX_K = 30000.0  # the kernel computes keys in fp16: refuse codebooks whose decoded keys could get near 65504
 
@@ -34,16 +37,19 @@ class Variant:
     outliers: bool
     bf16: bool
     vskew: bool = True
+    threads: int = THREADS  # the CTA's most threads (registers per thread <= 64K / threads)
 
     @property
     def defines(self) -> dict[str, int]:
         return {"TKV_KM": self.km, "TKV_KL": self.kl, "TKV_VM": self.vm, "TKV_VL": self.vl, "TKV_D": self.d,
-                "TKV_OUTL": int(self.outliers), "TKV_BF16": int(self.bf16), "TKV_VSKEW": int(self.vskew)}
+                "TKV_OUTL": int(self.outliers), "TKV_BF16": int(self.bf16), "TKV_VSKEW": int(self.vskew),
+                "TKV_THREADS": self.threads}
 
     @property
     def name(self) -> str:
         return (f"k{self.km}l{self.kl}-v{self.vm}l{self.vl}-d{self.d}-o{int(self.outliers)}-"
-                f"{'bf16' if self.bf16 else 'fp16'}{'' if self.vskew else '-noskew'}")
+                f"{'bf16' if self.bf16 else 'fp16'}{'' if self.vskew else '-noskew'}"
+                f"{'' if self.threads == THREADS else f'-t{self.threads}'}")
 
     @property
     def wpt(self) -> int:  # warps per tile unit
@@ -82,9 +88,14 @@ def _code_path(q) -> tuple[int, int]:
     return v, (cl.code_bits if v == KERNEL_SCALAR else cl.vec_dim)
 
 
-def variant_of(lc, vskew: bool = True) -> Variant:
+def default_threads(km: int, vm: int) -> int:
+    return THREADS_TEMPORAL if km == vm == KERNEL_TOKEN_VECTOR else THREADS
+
+
+def variant_of(lc, vskew: bool = True, threads: int | None = None) -> Variant:
     (km, kl), (vm, vl) = _code_path(lc.k), _code_path(lc.v)
-    return Variant(km, kl, vm, vl, lc.layout.head_dim, bool(lc.layout.outliers), lc.dtype == torch.bfloat16, vskew)
+    return Variant(km, kl, vm, vl, lc.layout.head_dim, bool(lc.layout.outliers), lc.dtype == torch.bfloat16, vskew,
+                   threads or default_threads(km, vm))
 
 
 def unsupported(lc, num_query_heads: int | None = None) -> str | None:
@@ -93,6 +104,9 @@ def unsupported(lc, num_query_heads: int | None = None) -> str | None:
         return lc.kernel_blocker
     if lc.dtype not in (torch.float16, torch.bfloat16):
         return "the CUDA kernel serves a half-precision model"
+    bs = lc.layout.block_size
+    if bs & (bs - 1):
+        return f"the CUDA kernel serves pages of a power-of-two size, not {bs} tokens (it shifts, never divides)"
     D = lc.layout.head_dim
     if D not in (64, 128):
         return f"the CUDA kernel serves head_dim 64 or 128, not {D} (two 128-channel codebooks fill shared memory)"
@@ -213,8 +227,8 @@ def smem_plan(v: Variant, units: int) -> SmemPlan:
 
 
 def choose_units(v: Variant, smem_limit: int) -> SmemPlan:
-    """The most tile units (up to 256 threads) whose shared memory fits."""
-    for units in range(THREADS_MAX // (32 * v.wpt), 0, -1):
+    """The most tile units (up to the variant's threads) whose shared memory fits."""
+    for units in range(v.threads // (32 * v.wpt), 0, -1):
         plan = smem_plan(v, units)
         if plan.bytes <= smem_limit:
             return plan
@@ -243,9 +257,10 @@ class Launch:
 
 
 def make_launch(lc, R: int, HQ: int, max_tokens: int, *, sms: int = 132, smem_limit: int = SMEM_LIMITS[(9, 0)],
-                splits: int | None = None, units: int | None = None, vskew: bool = True) -> Launch:
+                splits: int | None = None, units: int | None = None, vskew: bool = True,
+                threads: int | None = None) -> Launch:
     lay: PageLayout = lc.layout
-    v = variant_of(lc, vskew)
+    v = variant_of(lc, vskew, threads)
     H = lc.k.codec.centroids.shape[0]
     plan = smem_plan(v, units) if units else choose_units(v, smem_limit)
     max_tiles = max(1, -(-max_tokens // TILE))
