@@ -25,6 +25,8 @@ the step replayed from a CUDA graph (no Python launch overhead, as vLLM serves d
 ``--no-graph``.  Results: benchmarks/results/kernels.{json,md,png}; headline figures (B = 1 and 8
 at 32k, and the encode overhead) are merged into headline.json under the device tag.
 
+``--headline-from kernels.json``: recompute a stored report's headline figures and merge them (no run).
+
 ``--smoke`` (no GPU needed): runs one or two tiny configurations through the same code, in Triton's
 interpreter when CUDA is absent, writes to ``--out`` (a temp dir by default, never
 benchmarks/results) and merges no headline.  Its timings are meaningless.
@@ -33,8 +35,10 @@ benchmarks/results) and merges no headline.  Its timings are meaningless.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -77,6 +81,13 @@ def main(argv=None):
             from .. import kernels_cpu
 
             return kernels_cpu.main(argv[:i] + argv[i + 2 :])
+    if argv[:1] == ["--headline-from"]:  # the headline figures of a stored report, recomputed and merged
+        from ..common import merge_headline
+        from .report import headline_figures
+
+        rep = json.loads(Path(argv[1]).read_text())
+        merge_headline(headline_figures(rep))
+        return rep
     a = p.parse_args(argv)
 
     cuda = torch.cuda.is_available()

@@ -27,9 +27,11 @@ def headline_figures(report: dict) -> dict:
     for r in report["rows"]:
         if (r["B"], r["L"]) not in HEADLINE_POINTS or r.get("time_ms") is None or not r["check_ok"]:
             continue
+        # the Triton decode's figures; the unprefixed names are the decode that serves on the GPU, the CUDA kernel
+        # (benchmarks/gpu/cuda_decode.py)
         for metric in ("speedup_vs_sdpa", "speedup_vs_fp16_paged", "bw_fraction"):
             if r.get(metric) is not None:
-                out[f"kernels.{tag}.{shape_key(r['shape'], r['B'], r['L'])}.{r['format']}.{metric}"] = r[metric]
+                out[f"kernels.{tag}.{shape_key(r['shape'], r['B'], r['L'])}.{r['format']}.triton_{metric}"] = r[metric]
     for e in report["encode"]:
         # the one encode headline: TemporalKV 2-bit on the Llama-8B shape (all formats are in the JSON)
         if e["shape"] == "llama8b" and e["format"] == "temporalkv-2bit":

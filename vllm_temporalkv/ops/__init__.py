@@ -10,7 +10,8 @@
 of csrc/; ``triton_path`` runs the Triton kernels (``triton_encode`` / ``triton_decode``) on CUDA, and on the
 CPU in Triton's interpreter when asked (``VLLM_TEMPORALKV_OPS=triton`` with ``TRITON_INTERPRET=1``: how CI tests
 the wiring without a GPU); ``cuda_path`` is the Triton path with the decode on the CUDA kernel of csrc/cuda,
-only when asked (``VLLM_TEMPORALKV_CUDA_DECODE=1``: not yet run on a GPU).  ``select`` picks one per layer cache.
+wherever that kernel can serve (built by nvcc or loaded from cached cubins; ``VLLM_TEMPORALKV_CUDA_DECODE=0`` keeps
+the Triton decode).  ``select`` picks one per layer cache and says which serves, or why not.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 from types import ModuleType
 
 ENV_PATH = "VLLM_TEMPORALKV_OPS"  # "torch" forces the torch path (a diagnostic / the oracle); "triton" the Triton one
-ENV_CUDA_DECODE = "VLLM_TEMPORALKV_CUDA_DECODE"  # "1": decode on the CUDA kernel (csrc/cuda) where it can serve
+ENV_CUDA_DECODE = "VLLM_TEMPORALKV_CUDA_DECODE"  # "0": keep the Triton decode; else the CUDA kernel where it serves
 
 
 def _triton(lc):
@@ -47,17 +48,18 @@ def select(lc, device) -> tuple[ModuleType, str]:
         if forced == "triton" and dev != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             return paged_torch, f"torch ({ENV_PATH}=triton without a GPU needs TRITON_INTERPRET=1)"
         mod, why = _triton(lc)
-        if mod is not None and dev == "cuda" and os.environ.get(ENV_CUDA_DECODE) == "1":
-            from . import cuda  # imported only when asked
+        if mod is not None and dev == "cuda" and os.environ.get(ENV_CUDA_DECODE, "1") != "0":
+            from . import cuda  # imported only on a GPU
 
             why = cuda.prepare(lc, device)
             if why is None:
                 from . import cuda_path
 
-                return cuda_path, f"{cuda_path.mode()} ({ENV_CUDA_DECODE}=1)"
-            return mod, f"Triton ({mod.mode()}); {ENV_CUDA_DECODE}=1 but the CUDA decode cannot serve: {why}"
+                return cuda_path, cuda_path.mode()
+            return mod, f"Triton ({mod.mode()}); the CUDA decode cannot serve: {why}"
         if mod is not None:
-            return mod, f"Triton ({mod.mode()})"
+            off = f"; {ENV_CUDA_DECODE}=0" if dev == "cuda" else ""
+            return mod, f"Triton ({mod.mode()}){off}"
         return paged_torch, f"torch ({why})"
     if dev == "cpu":
         from . import cpu

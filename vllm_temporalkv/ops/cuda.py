@@ -10,9 +10,10 @@
   host).
 * ``paged_attention``: the twin of ``triton_decode.paged_attention`` (one query token per request).
 
-Imported only when asked (``VLLM_TEMPORALKV_CUDA_DECODE=1`` on a CUDA device, see ops/__init__.py) or by the GPU
-benchmark; ``available()`` says why not where it cannot serve, and the Triton kernels keep serving.  Not yet run
-on a GPU: the CPU emulator (ops/cuda_emulator.py) replays its program; benchmarks/gpu/h100.sh ``cuda`` checks it.
+Imported only on a CUDA device (ops/__init__.py; ``VLLM_TEMPORALKV_CUDA_DECODE=0`` keeps the Triton decode) or by the GPU
+benchmark; ``available()`` says why not where it cannot serve, and the Triton kernels keep serving.  Checked on an
+H100 against the torch oracle by benchmarks/gpu/h100.sh ``cuda``; on the CPU the emulator (ops/cuda_emulator.py)
+replays its program.
 """
 
 from __future__ import annotations
