@@ -4,6 +4,8 @@
 #   bash benchmarks/gpu/h100.sh kernels PARTDIR   Triton kernel tests compiled, benchmarks.kernels, + a bundle part
 #   bash benchmarks/gpu/h100.sh sweep            launch settings of the Triton decode, side by side
 #   bash benchmarks/gpu/h100.sh add PARTDIR       one more part of the vLLM 0.26 bundle (../shared/tools/gpu-vllm)
+#   bash benchmarks/gpu/h100.sh oracle PARTDIR   issue 31: carry.sh's last part: assemble, install vLLM 0.26, SmolLM2's real
+#                                                weights served on the GPU vs the oracle (benchmarks/gpu/oracle_match.py)
 #   bash benchmarks/gpu/h100.sh vllm PARTDIR SHA  the last part, install, benchmarks.throughput (dummy 8B shape;
 #                                                TP_FORMATS, TP_SHAPES override the formats and IN-OUT:PROMPTS)
 #   bash benchmarks/gpu/h100.sh prof             issue 32: ncu --set full on one CUDA decode launch, stalls per SASS line
@@ -24,7 +26,7 @@ if [ ! -d $site/vllm_temporalkv-0.1.0.dist-info ]; then
   printf '[vllm.general_plugins]\nvllm_temporalkv = vllm_temporalkv.vllm.plugin:register\n' > $d/entry_points.txt
 fi
 export PYTHONPATH=$site:$PWD
-add_part() { mkdir -p /root/vllm-parts && cp "$1"/site.tar.xz.part* /root/vllm-parts/ && ls -l /root/vllm-parts; }
+add_part() { mkdir -p /root/vllm-parts && cp "$1"/*.part* /root/vllm-parts/ && ls -l /root/vllm-parts; }
 case $stage in
 kernels)
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee $OUT/gpu.txt
@@ -63,8 +65,26 @@ prof)  # issue 32: where the CUDA decode's time goes - ncu's full set on one B =
   ncu -i /tmp/prof.ncu-rep --page source --csv --print-source cuda > $OUT/source-cuda.csv 2>&1
   for f in /tmp/tkv-cuda-cache/*k0l4-v0l4-d128-o0-bf16-t384*.cubin; do cuobjdump -sass "$f" > $OUT/sass.txt 2>&1; done
   ls -l $OUT; grep -E "Duration|Issue Slots|Warp Cycles Per Issued|Achieved Occupancy|Registers|No Eligible|One or More|Theoretical Occ" $OUT/details.txt | head -30 ;;
+oracle)  # issue 31: the parts of benchmarks/gpu/carry.sh (all but the last added before), then SmolLM2's real weights
+  # served by vLLM 0.26 on this GPU against the torch path here and the CPU reference (benchmarks/gpu/oracle_match.py)
+  add_part "$parts" >/dev/null || exit 1
+  cat /root/vllm-parts/carry.tar.part* > /root/carry.tar && echo "$(cat "$parts"/SHA256)  /root/carry.tar" | sha256sum -c - || exit 1
+  mkdir -p /root/carry && tar -C /root/carry -xf /root/carry.tar && rm -f /root/carry.tar /root/vllm-parts/carry.tar.part*
+  echo "$(cat /root/carry/site.sha256)  /root/carry/site.tar.xz" | sha256sum -c - || exit 1
+  mkdir -p /root/vllm-site && xz -T0 -dc /root/carry/site.tar.xz | tar -C /root/vllm-site -xf - || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $site /root/carry/gguf-*.whl || exit 1
+  export PYTHONPATH=/root/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_TEMPORALKV_CACHE=/root/tkv-cache
+  export VLLM_TEMPORALKV_CUDA_CACHE=/tmp/tkv-cuda-cache
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee $OUT/gpu.txt
+  python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" | tee -a $OUT/gpu.txt
+  model=$(python3 -c "from pathlib import Path; from vllm_temporalkv.models import convert_gguf
+print(convert_gguf(Path('/root/carry/smollm2.gguf')))" 2>$OUT/convert.log | tail -1) || exit 1
+  timeout ${ORACLE_S:-420} python3 -m benchmarks.gpu.oracle_match --check benchmarks/gpu/smollm2-reference.json \
+    --model "$model" --artifact /root/carry/calibration.safetensors --out $OUT/oracle 2>&1 | tee $OUT/oracle.log ;;
 vllm)
-  add_part "$parts" && bash "$parts"/on-device.sh install "${3:?sha256}" 2>&1 | tail -3 || exit 1
+  if [ ! -d /root/vllm-site/vllm ]; then  # not yet installed by the oracle stage on this (warm) box
+    add_part "$parts" && bash "$parts"/on-device.sh install "${3:?sha256}" 2>&1 | tail -3 || exit 1
+  fi
   export PYTHONPATH=/root/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
   mkdir -p $OUT/tp; cp "$parts"/l8b/* /tmp/l8b/ 2>/dev/null || { mkdir -p /tmp/l8b && cp "$parts"/l8b/* /tmp/l8b/; }
   timeout 420 python3 -m benchmarks.throughput --model /tmp/l8b --name h100-l8b --load-format dummy \
