@@ -218,6 +218,46 @@ def test_concurrent_equals_sequential_with_prefix_caching_and_chunking(server_2b
     assert same_text >= len(prompts) - 1
 
 
+def _prefix_cache_counters(server) -> tuple[float, float]:
+    """vLLM's prefix-cache (queries, hits) counters, in tokens, from the server's /metrics."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read().decode()
+    got = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in got:
+            got[name] += float(line.rsplit(" ", 1)[1])
+    return got["vllm:prefix_cache_queries_total"], got["vllm:prefix_cache_hits_total"]
+
+
+def test_prefix_cache_hit_gives_the_logprobs_of_a_miss(server_2bit, austen_ids):
+    """A prompt of one full 1024-token page and 76 more tokens, sent three times: the first computes (and caches) the
+    page, the second reuses it - a hit, confirmed by vLLM's own counters - and the third carries a unique
+    ``cache_salt``, so it misses and computes it again.  The first token's top-5 logprobs are the same, bit for bit,
+    whether the page was read from the prefix cache or computed (float32 server: vLLM's GEMMs see the same rows; the
+    uncached request prefills in the same 256-token chunks as the first)."""
+    _, ids = austen_ids
+    prompt = ids[60_000:61_100]
+    c = client(server_2bit)
+
+    def first_token(**extra):
+        r = c.completions.create(model="smollm2", prompt=prompt, max_tokens=1, temperature=0, logprobs=5,
+                                 extra_body={"return_tokens_as_token_ids": True, **extra})
+        return r.choices[0].logprobs.top_logprobs[0]
+
+    first = first_token()
+    q0, h0 = _prefix_cache_counters(server_2bit)
+    cached = first_token()
+    q1, h1 = _prefix_cache_counters(server_2bit)
+    uncached = first_token(cache_salt="test-prefix-cache-miss")
+    q2, h2 = _prefix_cache_counters(server_2bit)
+    print(f"\nhit: {h1 - h0:.0f} of {q1 - q0:.0f} tokens; salted: {h2 - h1:.0f} of {q2 - q1:.0f}; top-5 {cached}")
+    assert q1 - q0 == len(prompt) and h1 - h0 == 1024  # the whole page came from the cache
+    assert q2 - q1 == len(prompt) and h2 == h1  # the salted request computed it again
+    assert cached == uncached == first
+
+
 def test_seeded_sampling_of_a_chunked_prompt(server_2bit, austen_ids):
     """vLLM 0.32 on the CPU killed the engine on the first request with a `seed` whose prompt is prefilled in
     chunks ("CPU Generator does not use offset"; compat.skip_cpu_generator_rewind): such requests are served,
