@@ -208,7 +208,8 @@ def plot(rep: dict, path: Path) -> None:
     for ax, t in zip(axes, ("prefix-cache hit rate", "mean TTFT of the later requests (s)")):
         ax.set_xticks([j + 0.4 - w / 2 for j in range(len(Ps))], [f"P={P}" for P in Ps])
         ax.set_title(t, fontsize=9)
-    axes[0].legend(fontsize=7)
+    axes[0].set_ylim(0, 1.25)  # room for the legend above the bars
+    axes[0].legend(fontsize=7, ncol=2, loc="upper left")
     fig.suptitle(f"Shared-prefix requests through the server, {rep['settings']['name']} "
                  f"({rep['run']['machine']['cpu']})", fontsize=9)
     fig.tight_layout()
