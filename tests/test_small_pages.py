@@ -1,0 +1,85 @@
+"""Small pages (temporalkv_small_pages, issue 34): code pages without the half-precision region, each request's sinks
+and incomplete block in two exact pages of a second KV-cache group.  The layout's arithmetic, the torch path against
+the default layout (bit for bit: the same math, other addresses), and a prefix-cache hit simulated on the pages."""
+
+import pytest
+import torch
+
+from tests.helpers import CFG, synthetic_artifact
+from vllm_temporalkv.cache import LayerCache
+from vllm_temporalkv.formats import get_format
+from vllm_temporalkv.layout import PageLayout, exact_record_bytes
+from vllm_temporalkv.ops.paged_torch import ExactPages, forward, gather_kv
+from vllm_temporalkv.page_views import exact_view
+from vllm_temporalkv.rope import Rope
+
+H, D = 2, 16
+
+
+def test_page_arithmetic():
+    """At 2 bits a 64-token code page is exactly one exact page (8 tokens of K and V in 16 bits): nothing padded.
+    Per request of L tokens: cdiv(L, 64) code pages + 2 exact pages, against auto's L tokens of bf16 K/V."""
+    two = PageLayout(get_format("temporalkv-2bit"), 64, 64, exact_pages=True)
+    assert two.code_record_bytes == two.exact_bytes == exact_record_bytes(64) == two.bytes == 2048
+    assert two.region_slots == 0 and two.k_codes == 0
+    four = PageLayout(get_format("temporalkv-4bit"), 64, 64, exact_pages=True)
+    assert four.bytes == four.code_record_bytes == 4096  # the exact pages padded to the code page
+    default = PageLayout(get_format("temporalkv-2bit"), 64, 1024)
+    L = 2048
+    auto = L * 2 * 64 * 2
+    small = (-(-L // 64) + 2) * two.bytes
+    assert auto / small > 7.5 and auto / (2 * default.bytes) == pytest.approx(7.11, abs=0.01)
+    with pytest.raises(ValueError, match="recent window"):
+        PageLayout(get_format("temporalkv-2bit"), 64, 64, window=16, exact_pages=True)
+
+
+def _caches(fmt="temporalkv-2bit"):
+    from transformers import LlamaConfig
+
+    art = synthetic_artifact()
+    rope = Rope(LlamaConfig(**{k: v for k, v in CFG.items() if k != "architectures"}))
+    big = LayerCache.build(fmt, 1, head_dim=D, block_size=32, dtype=torch.bfloat16, rope=rope, artifact=art)
+    small = LayerCache.build(fmt, 1, head_dim=D, block_size=16, dtype=torch.bfloat16, rope=rope, artifact=art,
+                             exact_pages=True)
+    return big, small
+
+
+def _run(lc, pages, table, exact, q, k, v, cuts, out):
+    for a, b in zip(cuts, cuts[1:]):
+        pos = torch.arange(a, b)
+        forward(lc, pages, q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), torch.tensor([b]), table[None], pos,
+                table[pos // lc.block_size], 0.25, out=out[a:b], batch_invariant=True,
+                exact=None if exact is None else ExactPages(exact_view(lc.layout, pages, lc.store_dtype),
+                                                            exact[None]))
+
+
+@pytest.mark.parametrize("fmt", ["temporalkv-2bit", "kvquant-2bit"])
+def test_small_pages_serve_what_the_default_pages_serve(fmt):
+    """The same tokens streamed through both layouts in several chunkings: every attention output and every K/V
+    read back are bit-identical; a request that hits the first two code pages and the sink page (its ring page
+    full of another request's bytes) gives the outputs of the request that computed them."""
+    big, small = _caches(fmt)
+    g = torch.Generator().manual_seed(7)
+    n = 107
+    k, v = torch.randn(n, H, D, generator=g) * 2, torch.randn(n, H, D, generator=g)
+    q = torch.randn(n, 2 * H, D, generator=g)
+    ref = torch.empty(n, 2 * H, D)
+    bpages = torch.zeros(8, H, big.layout.bytes, dtype=torch.uint8)
+    _run(big, bpages, torch.tensor([5, 2, 7, 0]), None, q, k, v, [0, n], ref)
+    for cuts in ([0, n], [0, 3, 11, 12, 45, 90] + list(range(91, n + 1))):
+        pages = torch.zeros(16, H, small.layout.bytes, dtype=torch.uint8)  # code and exact pages: one pool
+        table, exact = torch.tensor([9, 3, 12, 1, 6, 14, 0]), torch.tensor([11, 4])  # 7 code pages; sink, ring
+        out = torch.empty(n, 2 * H, D)
+        _run(small, pages, table, exact, q, k, v, cuts, out)
+        assert torch.equal(out, ref), cuts
+        K, V = gather_kv(small, pages, table, n, exact=(exact_view(small.layout, pages, small.store_dtype), exact[0],
+                                                         exact[1]))
+        EK, EV = gather_kv(big, bpages, torch.tensor([5, 2, 7, 0]), n)
+        assert torch.equal(K, EK) and torch.equal(V, EV)
+    # a prefix-cache hit at 32 tokens (two whole code pages): the hitting request shares code pages 9, 3 and sink
+    # page 11, gets fresh pages for the rest and a ring page that holds someone else's bytes
+    pages[2].random_(0, 256, generator=g)
+    hit_table, hit_exact = torch.tensor([9, 3, 5, 8, 10, 13, 15]), torch.tensor([11, 2])
+    out = torch.empty(n, 2 * H, D)
+    _run(small, pages, hit_table, hit_exact, q, k, v, [32, 40, 41, 90, n], out)
+    assert torch.equal(out[32:], ref[32:])
