@@ -1,6 +1,7 @@
 """Small pages (temporalkv_small_pages, issue 34): code pages without the half-precision region, each request's sinks
 and incomplete block in two exact pages of a second KV-cache group.  The layout's arithmetic, the torch path against
-the default layout (bit for bit: the same math, other addresses), and a prefix-cache hit simulated on the pages."""
+the default layout (bit for bit: the same math, other addresses), a prefix-cache hit simulated on the pages, and
+vLLM 0.32's block manager driving the exact pages' group (ExactSlotsManager: allocation, caching, hits, freeing)."""
 
 import pytest
 import torch
@@ -83,3 +84,70 @@ def test_small_pages_serve_what_the_default_pages_serve(fmt):
     out = torch.empty(n, 2 * H, D)
     _run(small, pages, hit_table, hit_exact, q, k, v, [32, 40, 41, 90, n], out)
     assert torch.equal(out[32:], ref[32:])
+
+
+def test_block_manager_drives_the_exact_pages():
+    """vLLM's own block pool and hybrid coordinator with a code group (full attention, 64-token pages) and the exact
+    pages' group: a new request gets cdiv(L, 64) code pages and 2 exact pages; once it has computed a page its
+    sink page is cached; a second request with the same first page hits the code page and the sink page (not the
+    ring page); one whose sink page was evicted does not hit at all; freeing returns every page."""
+    pytest.importorskip("vllm")
+    from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.request import Request
+    from vllm.sampling_params import SamplingParams
+
+    from vllm_temporalkv.vllm import compat
+
+    compat.register_exact_slots()
+    init_none_hash(sha256)
+    bs = 64
+    code = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.uint8)
+    exact = compat.ExactSlotsSpec(block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.uint8)
+    assert exact.page_size_bytes == code.page_size_bytes
+    cfg = KVCacheConfig(num_blocks=40, kv_cache_tensors=[KVCacheTensor(size=40 * code.page_size_bytes, layers=["a", "b"],
+                                                                       layer_stride=0, block_stride=code.page_size_bytes)],
+                        kv_cache_groups=[KVCacheGroupSpec(["a"], code), KVCacheGroupSpec(["b"], exact)])
+    coord = HybridKVCacheCoordinator(cfg, max_model_len=1024, max_in_flight_tokens=256, use_eagle=False,
+                                     enable_caching=True, enable_kv_cache_events=False, dcp_world_size=1,
+                                     pcp_world_size=1, scheduler_block_size=bs, hash_block_size=bs)
+    hasher = get_request_block_hasher(bs, sha256)
+
+    def request(rid, tokens):
+        return Request(rid, prompt_token_ids=tokens, sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
+                       block_hasher=hasher)
+
+    pool = coord.block_pool
+    free0 = pool.get_num_free_blocks()
+    a = request("a", list(range(200)))
+    assert coord.find_longest_cache_hit(a.block_hashes, 199)[1] == 0
+    coord.allocate_new_blocks("a", 200, 200)
+    code_a, exact_a = coord.get_blocks("a")
+    assert len(code_a) == 4 and len(exact_a) == 2
+    coord.cache_blocks(a, 200)
+    b = request("b", list(range(130)) + [7] * 20)
+    blocks, hit, _ = coord.find_longest_cache_hit(b.block_hashes, 149)
+    assert hit == 128 and [x.block_id for x in blocks[0]] == [x.block_id for x in code_a[:2]]
+    assert [x.block_id for x in blocks[1]] == [exact_a[0].block_id]  # the sink page, not the ring page
+    # b takes the hit: the two code pages and a's sink page shared, a ring page and one more code page of its own
+    assert coord.get_num_blocks_to_allocate("b", 150, blocks, 0, 128, 128, 150) == 1 + 1
+    coord.allocate_new_computed_blocks("b", blocks, 128, 0)
+    coord.allocate_new_blocks("b", 150, 150)
+    code_b, exact_b = coord.get_blocks("b")
+    assert code_b[:2] == code_a[:2] and len(code_b) == 3
+    assert exact_b[0] is exact_a[0] and exact_b[1] not in exact_a and len(exact_b) == 2
+    for rid in ("a", "b"):
+        coord.free(rid)
+    assert pool.get_num_free_blocks() == free0
+    # evict a's sink page (allocate every free page to another request), then look again: no hit at all
+    c = request("c", [1] * (bs * 19 - 1))
+    coord.allocate_new_blocks("c", bs * 19 - 1, bs * 19 - 1)  # 19 code + 2 exact pages ...
+    d = request("d", [2] * (bs * 16))
+    coord.allocate_new_blocks("d", bs * 16, bs * 16)  # ... + 16 + 2 = every page of the pool (39, past the null page)
+    assert pool.get_num_free_blocks() == 0
+    assert coord.find_longest_cache_hit(b.block_hashes, 149)[1] == 0
+    for rid in ("c", "d"):
+        coord.free(rid)
+    assert pool.get_num_free_blocks() == free0
