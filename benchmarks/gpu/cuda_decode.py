@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -122,7 +121,7 @@ def poisoned_run(fn, lc, pages, q, key, val, qsl, sl, bt, scale, **kw):
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, dtype, lens) -> dict:
-    from tests.test_triton_kernels import _tol
+    from tests.kernel_cases import _tol
 
     live = torch.tensor([n > 0 for n in lens], device=out.device)
     unwritten = int(torch.isnan(out[live]).any(-1).any(-1).sum())
@@ -134,8 +133,8 @@ def compare(out: torch.Tensor, ref: torch.Tensor, dtype, lens) -> dict:
 # ---- 3. check --------------------------------------------------------------------------------------------------------
 
 def check(report: dict, dry: bool, seeds: int) -> bool:
-    from tests.test_triton_kernels import CASES, IDS, _batch, _decode_setup
-    from vllm_temporalkv.ops import cuda_emulator as emu, cuda_plan as P, paged_torch as reference
+    from tests.kernel_cases import CASES, IDS, _batch, _decode_setup
+    from vllm_temporalkv.ops import cuda_emulator as emu, paged_torch as reference
 
     fn = kernel(dry)
     rows, ok = [], True
@@ -209,13 +208,23 @@ def check(report: dict, dry: bool, seeds: int) -> bool:
     return ok
 
 
+def _kernels() -> types.SimpleNamespace:
+    """The pieces of benchmarks.kernels this run reuses (baselines, pages, bytes, timer), under one name."""
+    from benchmarks import kernel_common as C, timers
+    from benchmarks.kernels import measure
+
+    return types.SimpleNamespace(SHAPES=C.SHAPES, make_layer_cache=C.make_layer_cache, fill_pages=C.fill_pages,
+                                 _ratio=C.ratio, Timer=timers.GpuTimer, copy_bandwidth=timers.copy_bandwidth,
+                                 bench_baselines=measure.bench_baselines, compressed_bytes=measure.compressed_bytes,
+                                 reference=measure.reference, triton_decode=measure.triton_decode)
+
+
 # ---- 4. time ---------------------------------------------------------------------------------------------------------
 
 def timings(a, report: dict, dry: bool) -> bool:
-    from benchmarks import kernels as K
+    K = _kernels()
     from vllm_temporalkv.ops import cuda_plan as P
 
-    K._load_kernels()
     device = torch.device("cpu" if dry else "cuda")
     dtype = torch.bfloat16
     sh = K.SHAPES[a.shape]
@@ -294,7 +303,7 @@ def timings(a, report: dict, dry: bool) -> bool:
 
 
 def headline(report: dict) -> dict:
-    from benchmarks.kernels import shape_key
+    from benchmarks.kernel_common import shape_key
 
     out = {}
     for r in report.get("rows", []):
@@ -352,7 +361,7 @@ def main(argv=None) -> int:
     if a.ncu_one:
         return ncu_one(a)
     from benchmarks.common import run_record
-    from benchmarks.kernels import device_tag
+    from benchmarks.kernels.report import device_tag
 
     name = "CPU (dry run)" if dry else torch.cuda.get_device_name()
     report = dict(device=name, device_tag="cpu" if dry else device_tag(name), dry_run=dry, settings=vars(a),
@@ -383,7 +392,7 @@ def main(argv=None) -> int:
 
 def build_all(a, dry: bool) -> dict:
     """Compile (or load) every variant the run uses; nvcc's resource usage and, on the GPU, the loaded registers."""
-    from tests.test_triton_kernels import CASES, make_cache
+    from tests.kernel_cases import CASES, make_cache
     from vllm_temporalkv.ops import cuda, cuda_plan as P
 
     variants = {P.variant_of(make_cache(*c)) for c in CASES}
@@ -417,12 +426,11 @@ def _try(fn, *args):
 
 
 def ncu_one(a) -> int:
-    from benchmarks import kernels as K
+    K = _kernels()
     from vllm_temporalkv.ops import cuda
 
     fmt, B, L = a.ncu_one.split(":")
     B, L = int(B), int(L)
-    K._load_kernels()
     dev = torch.device("cuda")
     sh = K.SHAPES[a.shape]
     lc = K.make_layer_cache(a.shape, fmt, torch.bfloat16, a.block_size, False, dev, a.seed)
