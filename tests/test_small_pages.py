@@ -151,3 +151,69 @@ def test_block_manager_drives_the_exact_pages():
     for rid in ("c", "d"):
         coord.free(rid)
     assert pool.get_num_free_blocks() == free0
+
+
+def _kernel_caches(fmt, D=64, H=2, GQ=2):
+    from transformers import LlamaConfig
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": H * GQ,
+           "num_key_value_heads": H, "hidden_size": H * GQ * D, "vocab_size": 100,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    art = synthetic_artifact(cfg, formats=get_format(fmt).calibrated_formats)
+    rope = Rope(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
+    kw = dict(head_dim=D, dtype=torch.bfloat16, rope=rope, artifact=art)
+    return LayerCache.build(fmt, 1, block_size=32, **kw), LayerCache.build(fmt, 1, block_size=16, exact_pages=True,
+                                                                          **kw)
+
+
+def _lockstep(ops, lc, pages, tables, exact, q, k, v, cuts, out):
+    """Requests r = 0.. R-1 (the same tokens, their own pages) stepped together: at each step every request
+    sends its tokens [a, b) - one token: a decode (the fused kernel), more: a prefill chunk."""
+    R = len(tables)
+    for a, b in zip(cuts, cuts[1:]):
+        pos = torch.arange(a, b)
+        qsl = torch.arange(R + 1) * (b - a)
+        bt = torch.stack(tables)
+        rows = lambda x: torch.cat([x[a:b]] * R)  # noqa: E731
+        ep = None if exact is None else ExactPages(exact_view(lc.layout, pages, lc.store_dtype), torch.stack(exact))
+        o = torch.empty(R * (b - a), q.shape[1], q.shape[2])
+        ops.forward(lc, pages, rows(q), rows(k), rows(v), qsl, torch.full((R,), b), bt, pos.repeat(R),
+                    torch.cat([t[pos // lc.block_size] for t in tables]), 0.125, out=o, batch_invariant=False,
+                    exact=ep)
+        out[a:b] = o[: b - a]
+        for r in range(1, R):
+            assert torch.equal(o[r * (b - a): (r + 1) * (b - a)], o[: b - a]), (a, b, r)
+
+
+@pytest.mark.parametrize("fmt", ["temporalkv-2bit", "kvquant-2bit"])
+def test_cpu_kernels_serve_small_pages_like_the_default_pages(fmt):
+    """The C++ path (fused decode, prefill chunks written then gathered) on small pages against itself on the
+    default pages: the same tokens of two requests stepped together give bit-identical outputs and pages that
+    read back the same K/V (each request's sink and ring pages its own)."""
+    from vllm_temporalkv.ops import cpu
+
+    if not cpu.available():
+        pytest.skip(f"C++ CPU kernels not built/loadable: {cpu._LOAD_ERROR}")
+    big, small = _kernel_caches(fmt)
+    assert cpu.supports(big) and cpu.supports(small)
+    g = torch.Generator().manual_seed(11)
+    n, Hk, D = 90, 2, 64
+    k, v = torch.randn(n, Hk, D, generator=g) * 2, torch.randn(n, Hk, D, generator=g)
+    q = torch.randn(n, 2 * Hk, D, generator=g)
+    cuts = [0, 5, 6, 7, 29, 30, 31, 32, 50, 51] + list(range(52, n + 1))
+    ref = torch.empty(n, 2 * Hk, D)
+    bpages = torch.zeros(12, Hk, big.layout.bytes, dtype=torch.uint8)
+    btables = [torch.tensor([5, 2, 7]), torch.tensor([0, 9, 3])]
+    _lockstep(cpu, big, bpages, btables, None, q, k, v, cuts, ref)
+    pages = torch.zeros(20, Hk, small.layout.bytes, dtype=torch.uint8)
+    tables, exact = [torch.tensor([9, 3, 12, 1, 6, 14]), torch.tensor([2, 8, 10, 13, 15, 16])], \
+        [torch.tensor([11, 4]), torch.tensor([17, 0])]
+    out = torch.empty(n, 2 * Hk, D)
+    _lockstep(cpu, small, pages, tables, exact, q, k, v, cuts, out)
+    assert torch.equal(out, ref)
+    region = exact_view(small.layout, pages, small.store_dtype)
+    for t, x, bt in zip(tables, exact, btables):
+        got = cpu.gather_kv(small, pages, t, n, exact=(region, x[0], x[1]))
+        want = cpu.gather_kv(big, bpages, bt, n)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert all(torch.equal(a, b) for a, b in zip(got, gather_kv(small, pages, t, n, exact=(region, x[0], x[1]))))

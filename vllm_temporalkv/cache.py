@@ -81,8 +81,6 @@ class LayerCache:
                         + ("sketches" if q.code_layout is None else "scaled integer codes"))
         if self.layout.window:
             return "the kernels serve codebook codes without a recent window"
-        if self.layout.exact_pages:
-            return "the kernels read the sinks and the tail from the code pages; small pages keep them apart"
         if not self.k.outliers == self.layout.outliers == self.v.outliers:
             return "the quantizers' outliers differ from the page layout's"
         return None

@@ -524,8 +524,8 @@ def paged_attention(
         ctx = n - (b - a)
         if exact is None:
             kc, vc = gather(lc, pages, block_tables[r], ctx)  # decoded blocks + exact tail
-        else:
-            kc, vc = gather_kv(lc, pages, block_tables[r], ctx, exact=exact.request(r))
+        else:  # small pages: gather_kv or the C++ twin, with the request's exact pages
+            kc, vc = gather(lc, pages, block_tables[r], ctx, exact=exact.request(r))
         K = torch.cat([kc, lc.exact(key[a:b])])
         V = torch.cat([vc, lc.exact(value[a:b])])
         # blocks that leave the window during this step (the context's tail block included) also in
