@@ -217,3 +217,45 @@ def test_cpu_kernels_serve_small_pages_like_the_default_pages(fmt):
         want = cpu.gather_kv(big, bpages, bt, n)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert all(torch.equal(a, b) for a, b in zip(got, gather_kv(small, pages, t, n, exact=(region, x[0], x[1]))))
+
+
+def _mixed(ops, lc, pages, tables, exact, q, k, v, schedule, outs):
+    """Requests stepped together on their own schedules (cut lists of one length): a step mixes decodes and
+    prefill chunks; request r's tokens are q/k/v[r]."""
+    for i in range(len(schedule[0]) - 1):
+        spans = [(c[i], c[i + 1]) for c in schedule]
+        qsl = torch.tensor([0] + [b - a for a, b in spans]).cumsum(0)
+        pos = torch.cat([torch.arange(a, b) for a, b in spans])
+        pid = torch.cat([t[torch.arange(a, b) // lc.block_size] for t, (a, b) in zip(tables, spans)])
+        cat = lambda x: torch.cat([x[r][a:b] for r, (a, b) in enumerate(spans)])  # noqa: E731
+        ep = None if exact is None else ExactPages(exact_view(lc.layout, pages, lc.store_dtype), torch.stack(exact))
+        o = torch.empty(int(qsl[-1]), q[0].shape[1], q[0].shape[2])
+        ops.forward(lc, pages, cat(q), cat(k), cat(v), qsl, torch.tensor([b for _, b in spans]), torch.stack(tables),
+                    pos, pid, 0.125, out=o, batch_invariant=False, exact=ep)
+        for r, (a, b) in enumerate(spans):
+            outs[r][a:b] = o[qsl[r]: qsl[r + 1]]
+
+
+def test_cpu_kernels_small_pages_in_mixed_steps():
+    """A step that mixes one request's decodes with another's prefill chunks (cpu.forward's split: the fused
+    decode for some rows, write-then-gather for the rest): small pages give the default pages' outputs."""
+    from vllm_temporalkv.ops import cpu
+
+    if not cpu.available():
+        pytest.skip(f"C++ CPU kernels not built/loadable: {cpu._LOAD_ERROR}")
+    big, small = _kernel_caches("temporalkv-2bit")
+    g = torch.Generator().manual_seed(5)
+    n, Hk, D = 80, 2, 64
+    k = [torch.randn(n, Hk, D, generator=g) for _ in range(2)]
+    v = [torch.randn(n, Hk, D, generator=g) for _ in range(2)]
+    q = [torch.randn(n, 2 * Hk, D, generator=g) for _ in range(2)]
+    schedule = [[0, 37] + list(range(38, 58)) + [58, 59, 60, 80], [0, 3, 9, 12] + list(range(17, 77, 3)) + [79, 80]]
+    assert len(schedule[0]) == len(schedule[1])
+    ref, out = [torch.empty(n, 2 * Hk, D) for _ in range(2)], [torch.empty(n, 2 * Hk, D) for _ in range(2)]
+    _mixed(cpu, big, torch.zeros(8, Hk, big.layout.bytes, dtype=torch.uint8), [torch.tensor([5, 2, 7]),
+           torch.tensor([0, 6, 3])], None, q, k, v, schedule, ref)
+    _mixed(cpu, small, torch.zeros(16, Hk, small.layout.bytes, dtype=torch.uint8),
+           [torch.tensor([9, 3, 12, 1, 6]), torch.tensor([2, 8, 10, 13, 15])], [torch.tensor([11, 4]),
+                                                                               torch.tensor([14, 0])],
+           q, k, v, schedule, out)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
