@@ -36,7 +36,8 @@ from . import common
 
 MODEL = "smollm2"
 HEADER = "The following is an excerpt from a novel by Jane Austen.\n\n"
-FULL = {"configs": ["auto", "temporalkv-2bit", "temporalkv-2bit@block256", "temporalkv-2bit@block64"],
+FULL = {"configs": ["auto", "temporalkv-2bit", "temporalkv-2bit@block256", "temporalkv-2bit@block64",
+                    "temporalkv-2bit@small"],
         "prefix_lens": [256, 600, 2000], "requests": 8, "question_tokens": 24, "max_tokens": 16,
         "max_model_len": 4096}
 SMALL = {"configs": ["auto", "temporalkv-2bit"], "prefix_lens": [300], "requests": 3, "question_tokens": 12,
