@@ -50,7 +50,7 @@ def measure(model: str, dtype: str, kv_space_gib: int, max_len: int, extra: list
 
 
 def configs(formats: list[str], block_sizes: list[int], outliers: bool,
-            windows: list[int] = ()) -> list[tuple[str, str, list[str]]]:
+            windows: list[int] = (), small: bool = False) -> list[tuple[str, str, list[str]]]:
     out = []
     for f in formats:
         out.append((f, f, []))
@@ -61,6 +61,9 @@ def configs(formats: list[str], block_sizes: list[int], outliers: bool,
     for w in windows:
         out.append((f"temporalkv-2bit@window{w}", "temporalkv-2bit",
                     ["--additional-config", json.dumps({"temporalkv_recent_window": w})]))
+    if small:
+        out.append(("temporalkv-2bit@small", "temporalkv-2bit",
+                    ["--additional-config", json.dumps({"temporalkv_small_pages": True})]))
     return out
 
 
@@ -80,9 +83,10 @@ def write_markdown(rep: dict, path: Path) -> None:
               "so small pages spend a larger share on them. At 2 bits a 1024-token page holds 128 token-equivalents of",
               "codes plus 16 half-precision slots: 8x / (1 + 16/128) = 7.1x, as measured. Larger pages gain a little more",
               "(2048: see the row) but a page is vLLM's unit of allocation, so every short request or partly filled last",
-              "page wastes more; 1024 is the default. Keeping sinks and tail outside the pages (a per-request buffer) would",
-              "approach 8x, but vLLM's block manager has no per-request side allocation: it would need a second KV cache",
-              "group or memory reserved for max-num-seqs requests outside vLLM's accounting.",
+              "page wastes more; 1024 is the default.",
+              "`@small`: `temporalkv_small_pages` - 64-token pages of codes only, each request's sinks and incomplete block",
+              "in two pages of a second KV-cache group. vLLM then reports max-model-len x the requests that fit at that",
+              "length, each paying its two exact pages: 8x / (1 + 2 x 64 / max-model-len).",
               "`@windowN`: a recent window of N half-precision tokens (`temporalkv_recent_window`): every page keeps N",
               "more slots for it, so it costs N x 16 bits per page of 1024 tokens; the selective formats keep 128 by default."]
     path.write_text("\n".join(lines) + "\n")
@@ -119,6 +123,7 @@ def main(argv=None):
     p.add_argument("--windows", nargs="*", type=int, default=[32, 128],
                    help="recent windows to measure for temporalkv-2bit (temporalkv_recent_window)")
     p.add_argument("--no-outliers", action="store_true", help="skip the -o1 configurations")
+    p.add_argument("--small-pages", action="store_true", help="also temporalkv-2bit@small (temporalkv_small_pages)")
     p.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     p.add_argument("--max-model-len", type=int, default=2048)
     add_out_arg(p)
@@ -133,7 +138,7 @@ def main(argv=None):
         prev = json.loads((out / "capacity.json").read_text())
         if prev.get("settings") == settings:
             res = {n: {"command": prev["run"]["command"], **r} for n, r in prev["configs"].items() if "error" not in r}
-    todo = configs(args.formats, args.block_sizes, not args.no_outliers, args.windows)
+    todo = configs(args.formats, args.block_sizes, not args.no_outliers, args.windows, args.small_pages)
     for name, dtype, extra in tqdm(todo, desc="servers", unit="server"):
         res[name] = {**measure(model, dtype, args.kv_space_gib, args.max_model_len, extra),
                      "command": run_record()["command"]}

@@ -56,6 +56,7 @@ struct DecodeArgs {
   const int32_t* seq_lens;  // [R]
   const int32_t* bt;        // [R, bt_stride]
   int64_t bt_stride;
+  const int32_t* xp = nullptr;  // small pages: [R, 2] (sink page, ring page) per request; else the code pages' region
   const float* cosT;   // [D/2, P]: Rope.cos_sin of positions 0..P-1, transposed (exact per-position RoPE)
   const float* sinT;
   int64_t P;
@@ -94,6 +95,7 @@ struct EncodeArgs {
   const int64_t* pos;  // [N]
   const int64_t* pid;  // [N]
   const int64_t* ends; // [E] indices of the tokens that complete a block
+  const int64_t* ring = nullptr;  // small pages: [N] each token's ring page (its tail slot p % 8); else its page
   const float* cos;    // [P, D/2]
   const float* sin;
   float s2;            // rope scale ** 2

@@ -539,7 +539,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
     alignas(64) float ek[2 * BLOCK * MAX_D], ev[2 * BLOCK * MAX_D];
     int ne = 0;
     const int nsink = p < SINKS ? p : SINKS;
-    const uint8_t* rec0 = record(a.pages, L, btr[0], h);
+    const uint8_t* rec0 = record(a.pages, L, a.xp ? a.xp[2 * r] : btr[0], h);
     for (int j = 0; j < nsink; ++j, ++ne) {
       const uint16_t* kr = region_row(rec0, L, j, 0);
       const uint16_t* vr = region_row(rec0, L, j, 1);
@@ -549,10 +549,11 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
       }
     }
     if (p >= SINKS && p > cend) {
-      const uint8_t* rect = record(a.pages, L, btr[cend / bs], h);
+      const uint8_t* rect = record(a.pages, L, a.xp ? a.xp[2 * r + 1] : btr[cend / bs], h);
+      const int t0 = a.xp ? 0 : TAIL0;
       for (int t = cend; t < p; ++t, ++ne) {
-        const uint16_t* kr = region_row(rect, L, TAIL0 + (t - cend), 0);
-        const uint16_t* vr = region_row(rect, L, TAIL0 + (t - cend), 1);
+        const uint16_t* kr = region_row(rect, L, t0 + (t - cend), 0);
+        const uint16_t* vr = region_row(rect, L, t0 + (t - cend), 1);
         for (int c = 0; c < D; ++c) {
           ek[ne * D + c] = h2f(kr[c], L.bf16);
           ev[ne * D + c] = h2f(vr[c], L.bf16);
@@ -1016,6 +1017,8 @@ void encode_item(const EncodeArgs& a, int64_t item) {
   const int64_t e = a.ends[item / H];
   const int64_t pe = a.pos[e], pg = a.pid[e];
   uint8_t* rec = a.pages + (pg * H + h) * L.rec_bytes;
+  const uint8_t* trec = a.ring ? a.pages + (a.ring[e] * H + h) * L.rec_bytes : rec;  // the tail's page
+  const int t0 = a.ring ? 0 : TAIL0;
   const int slot = (int)((pe % L.block_size) / BLOCK);
   alignas(64) float X[BLOCK * MAX_D], Y[MAX_D];
   for (int kind = 0; kind < 2; ++kind) {
@@ -1023,7 +1026,7 @@ void encode_item(const EncodeArgs& a, int64_t item) {
       const int64_t src = e - (BLOCK - 1) + r;
       const int64_t pr = pe - (BLOCK - 1) + r;
       const bool ok = src >= 0 && a.pid[src] == pg && a.pos[src] == pr;
-      const uint16_t* row = ok ? (kind ? a.vh : a.kh) + (src * H + h) * D : region_row(rec, L, TAIL0 + r, kind);
+      const uint16_t* row = ok ? (kind ? a.vh : a.kh) + (src * H + h) * D : region_row(trec, L, t0 + r, kind);
       float* x = X + r * D;
       for (int c = 0; c < D; ++c) x[c] = h2f(row[c], L.bf16);
       if (kind == 0) {  // Rope.invert: (x * cos - rotate_half(x) * sin) / scale**2, then the model dtype

@@ -177,7 +177,7 @@ void decode_attention(const at::Tensor& pages, const at::Tensor& q, const at::Te
                       const std::vector<at::Tensor>& vt, const std::vector<int64_t>& vi,
                       const std::vector<int64_t>& li, double scale, int64_t tiles_per_split, bool exact,
                       const at::Tensor& tcos, const at::Tensor& tsin, const at::Tensor& dcos,
-                      const at::Tensor& dsin, double inv_rope_scale) {
+                      const at::Tensor& dsin, double inv_rope_scale, const at::Tensor& xpages) {
   DecodeArgs a;
   a.lay = make_layout(li);
   a.k = make_codec(kt, ki, a.lay);
@@ -229,6 +229,15 @@ void decode_attention(const at::Tensor& pages, const at::Tensor& q, const at::Te
   a.seq_lens = sl;
   a.bt = block_tables.data_ptr<int32_t>();
   a.bt_stride = block_tables.stride(0);
+  if (xpages.numel()) {  // small pages: each request's (sink page, ring page)
+    check_table(xpages, "xpages");
+    TORCH_CHECK(xpages.dim() == 2 && xpages.size(0) == R && xpages.size(1) == 2 && xpages.is_contiguous(),
+                "xpages: contiguous [R, 2]");
+    const int32_t* x = xpages.data_ptr<int32_t>();
+    for (int64_t i = 0; i < 2 * R; ++i)
+      TORCH_CHECK(x[i] >= 0 && x[i] < num_pages, "exact page out of range: ", x[i]);
+    a.xp = x;
+  }
   a.cosT = cosT.data_ptr<float>();
   a.sinT = sinT.data_ptr<float>();
   a.P = cosT.size(1);
@@ -259,7 +268,8 @@ void decode_attention(const at::Tensor& pages, const at::Tensor& q, const at::Te
 std::vector<at::Tensor> gather(const at::Tensor& pages, const at::Tensor& block_table, int64_t n,
                                const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& kt,
                                const std::vector<int64_t>& ki, const std::vector<at::Tensor>& vt,
-                               const std::vector<int64_t>& vi, const std::vector<int64_t>& li) {
+                               const std::vector<int64_t>& vi, const std::vector<int64_t>& li, int64_t sink_page,
+                               int64_t ring_page) {
   GatherArgs a;
   a.lay = make_layout(li);
   a.k = make_codec(kt, ki, a.lay);
@@ -309,18 +319,24 @@ std::vector<at::Tensor> gather(const at::Tensor& pages, const at::Tensor& block_
       }
     }
   };
+  // small pages (sink_page >= 0): the sinks and the tail in the request's exact pages, else in its code pages
+  const bool small = sink_page >= 0;
+  if (small)
+    TORCH_CHECK(sink_page < pages.size(0) && ring_page >= 0 && ring_page < pages.size(0), "exact page out of range");
   const int64_t ns = std::min<int64_t>(n, SINKS);
+  const int64_t sp = small ? sink_page : bt[0];
   for (int64_t t = 0; t < ns; ++t)
     for (int64_t h = 0; h < H; ++h) {
-      copy_row(K, t, h, region(bt[0], h, t, 0));
-      copy_row(V, t, h, region(bt[0], h, t, 1));
+      copy_row(K, t, h, region(sp, h, t, 0));
+      copy_row(V, t, h, region(sp, h, t, 1));
     }
   const int64_t full = n / BLOCK;
   const int64_t tail0 = std::max<int64_t>(full * BLOCK, SINKS);
+  const int64_t tp = small ? ring_page : (tail0 < n ? bt[tail0 / bs] : 0), ts = small ? 0 : TAIL0;
   for (int64_t t = tail0; t < n; ++t)
     for (int64_t h = 0; h < H; ++h) {
-      copy_row(K, t, h, region(bt[tail0 / bs], h, TAIL0 + t - tail0, 0));
-      copy_row(V, t, h, region(bt[tail0 / bs], h, TAIL0 + t - tail0, 1));
+      copy_row(K, t, h, region(tp, h, ts + t - tail0, 0));
+      copy_row(V, t, h, region(tp, h, ts + t - tail0, 1));
     }
   const Kernels* kern = g_kernels;
   if (full > 1) parallel_items((full - 1) * H, [&](int64_t i) { kern->gather_block(a, i); });
@@ -332,7 +348,8 @@ std::vector<at::Tensor> gather(const at::Tensor& pages, const at::Tensor& block_
 void write_kv(const at::Tensor& pages, const at::Tensor& kh, const at::Tensor& vh, const at::Tensor& positions,
               const at::Tensor& page_ids, const at::Tensor& cos, const at::Tensor& sin, double s2,
               const std::vector<at::Tensor>& kt, const std::vector<int64_t>& ki, const std::vector<at::Tensor>& vt,
-              const std::vector<int64_t>& vi, const std::vector<int64_t>& li) {
+              const std::vector<int64_t>& vi, const std::vector<int64_t>& li, const at::Tensor& sink_pages,
+              const at::Tensor& ring_pages) {
   EncodeArgs a;
   a.lay = make_layout(li);
   a.k = make_codec(kt, ki, a.lay);
@@ -349,7 +366,19 @@ void write_kv(const at::Tensor& pages, const at::Tensor& kh, const at::Tensor& v
               "positions/page_ids: contiguous int64 [N]");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
+  const bool small = sink_pages.numel() > 0;  // small pages: each token's sink page and ring page
+  if (small)
+    TORCH_CHECK(sink_pages.scalar_type() == at::kLong && ring_pages.scalar_type() == at::kLong &&
+                    sink_pages.is_contiguous() && ring_pages.is_contiguous() && sink_pages.numel() == N &&
+                    ring_pages.numel() == N,
+                "sink_pages/ring_pages: contiguous int64 [N]");
   if (N == 0) return;
+  const int64_t* spg = small ? sink_pages.data_ptr<int64_t>() : nullptr;
+  const int64_t* rpg = small ? ring_pages.data_ptr<int64_t>() : nullptr;
+  if (small)
+    for (int64_t i = 0; i < N; ++i)
+      TORCH_CHECK(spg[i] >= 0 && spg[i] < pages.size(0) && rpg[i] >= 0 && rpg[i] < pages.size(0),
+                  "exact page out of range");
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* pid = page_ids.data_ptr<int64_t>();
   int64_t max_pos = 0;
@@ -368,6 +397,7 @@ void write_kv(const at::Tensor& pages, const at::Tensor& kh, const at::Tensor& v
   a.pos = pos;
   a.pid = pid;
   a.ends = ends.data();
+  a.ring = rpg;
   a.cos = cos.data_ptr<float>();
   a.sin = sin.data_ptr<float>();
   a.s2 = (float)s2;
@@ -378,16 +408,18 @@ void write_kv(const at::Tensor& pages, const at::Tensor& kh, const at::Tensor& v
   uint8_t* pg = a.pages;
   for (int64_t i = 0; i < N; ++i) {
     const int64_t p = pos[i], off = p % BLOCK;
-    int64_t slot;
+    int64_t slot, page;
     if (p < SINKS) {
       slot = p;
+      page = small ? spg[i] : pid[i];
     } else {
       const int64_t j = i + (BLOCK - 1 - off);
       if (j < N && pid[j] == pid[i] && pos[j] == p + (BLOCK - 1 - off)) continue;  // encoded
-      slot = TAIL0 + off;
+      slot = (small ? 0 : TAIL0) + off;
+      page = small ? rpg[i] : pid[i];
     }
     for (int64_t h = 0; h < H; ++h) {
-      uint16_t* reg = reinterpret_cast<uint16_t*>(pg + (pid[i] * H + h) * a.lay.rec_bytes) + slot * 2 * D;
+      uint16_t* reg = reinterpret_cast<uint16_t*>(pg + (page * H + h) * a.lay.rec_bytes) + slot * 2 * D;
       std::memcpy(reg, a.kh + (i * H + h) * D, D * 2);
       std::memcpy(reg + D, a.vh + (i * H + h) * D, D * 2);
     }
@@ -431,5 +463,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nearest", &tkv::nearest, py::call_guard<py::gil_scoped_release>());
   m.attr("TILE") = tkv::TILE;
   // bumped whenever an op's arguments change: ops/cpu.py refuses (and says so) a stale build
-  m.attr("ABI_VERSION") = 5;
+  m.attr("ABI_VERSION") = 6;
 }

@@ -18,7 +18,7 @@ def cfg(tmp_path, fmt="temporalkv-2bit", **extra):
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
     for k in ("VLLM_TEMPORALKV_ARTIFACT", "VLLM_TEMPORALKV_OUTLIERS", "VLLM_TEMPORALKV_BATCH_INVARIANT",
-              "VLLM_BATCH_INVARIANT", "VLLM_TEMPORALKV_RECENT_WINDOW"):
+              "VLLM_BATCH_INVARIANT", "VLLM_TEMPORALKV_RECENT_WINDOW", "VLLM_TEMPORALKV_SMALL_PAGES"):
         monkeypatch.delenv(k, raising=False)
 
 
@@ -38,6 +38,19 @@ def test_defaults_and_values(tmp_path, monkeypatch):
     assert serving_options(cfg(tmp_path, temporalkv_recent_window=24))["window"] == 24
     monkeypatch.setenv("VLLM_TEMPORALKV_RECENT_WINDOW", "16")
     assert serving_options(cfg(tmp_path))["window"] == 16
+
+
+def test_small_pages_only_where_served(tmp_path, monkeypatch):
+    """temporalkv_small_pages (issue 34): off by default; on for a codebook format; refused, naming the option, for
+    a recent window or a format it does not serve yet."""
+    assert serving_options(cfg(tmp_path))["small_pages"] is False
+    assert serving_options(cfg(tmp_path, temporalkv_small_pages=True))["small_pages"] is True
+    monkeypatch.setenv("VLLM_TEMPORALKV_SMALL_PAGES", "1")
+    assert serving_options(cfg(tmp_path))["small_pages"] is True
+    with pytest.raises(TemporalKVConfigError, match="temporalkv_small_pages: temporalkv-2bit with a recent window"):
+        serving_options(cfg(tmp_path, temporalkv_recent_window=16))
+    with pytest.raises(TemporalKVConfigError, match="temporalkv_small_pages: selective-int8 .*drop the option"):
+        serving_options(cfg(tmp_path, "selective-int8"))
 
 
 def test_a_calibration_free_format_needs_no_artifact(tmp_path):

@@ -95,6 +95,28 @@ def server_4bit(smollm2_dir, tiny_artifact):
         yield s
 
 
+SMALL_PAGE, SMALL_PROMPT, SMALL_DECODE = 64, 900, 64  # the small-pages server's page; the preemption test's requests
+SMALL_NEED = -(-(SMALL_PROMPT + SMALL_DECODE) // SMALL_PAGE) + 2  # one such request's pages: code pages + sink + ring
+SMALL_POOL = 1 + 2 * SMALL_NEED + SMALL_NEED // 2  # vLLM's null page, two such requests and half of a third
+assert SMALL_POOL > 1 + -(-MAX_LEN // SMALL_PAGE) + 2  # vLLM refuses a pool without room for one MAX_LEN request
+
+
+@pytest.fixture(scope="module")
+def server_small(smollm2_dir, tiny_artifact):
+    """temporalkv-2bit with small pages (temporalkv_small_pages, issue 34): 64-token code pages, each request's sinks
+    and incomplete block in two pages of a second KV-cache group; on the C++ path.  A pool of SMALL_POOL pages, so
+    that three concurrent requests preempt (vLLM 0.32 admits a request only once its whole prompt fits, and then
+    preempts only for decodes: --no-scheduler-reserve-full-isl admits chunk by chunk, so that a prefill is preempted
+    and recomputed); 64-token steps, so a prompt prefilled whole or behind a prefix-cache hit ends in the same chunk;
+    float32, the default (fused, not batch-invariant) attention: a prefill chunk's output depends only on the pages
+    and the chunk, so a hit and a miss still agree bit for bit."""
+    assert SMALL_PAGE == 64  # the option's default page (options.SMALL_BLOCK_SIZE), which the server log names
+    with _server(smollm2_dir, tiny_artifact, "temporalkv-2bit", "--enforce-eager", "--enable-prefix-caching",
+                 "--max-num-batched-tokens", "64", "--num-gpu-blocks-override", str(SMALL_POOL),
+                 "--no-scheduler-reserve-full-isl", dtype="float32", temporalkv_small_pages=True) as s:
+        yield s
+
+
 def client(server):
     return openai.OpenAI(base_url=server.url, api_key="none", timeout=600)
 
@@ -216,6 +238,119 @@ def test_concurrent_equals_sequential_with_prefix_caching_and_chunking(server_2b
         else:
             assert n >= 1, (ts, tc)
     assert same_text >= len(prompts) - 1
+
+
+def _prefix_cache_counters(server) -> tuple[float, float]:
+    """vLLM's prefix-cache (queries, hits) counters, in tokens, from the server's /metrics."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read().decode()
+    got = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in got:
+            got[name] += float(line.rsplit(" ", 1)[1])
+    return got["vllm:prefix_cache_queries_total"], got["vllm:prefix_cache_hits_total"]
+
+
+def test_prefix_cache_hit_gives_the_logprobs_of_a_miss(server_2bit, austen_ids):
+    """A prompt of one full 1024-token page and 76 more tokens, sent three times: the first computes (and caches) the
+    page, the second reuses it - a hit, confirmed by vLLM's own counters - and the third carries a unique
+    ``cache_salt``, so it misses and computes it again.  The first token's top-5 logprobs are the same, bit for bit,
+    whether the page was read from the prefix cache or computed (float32 server: vLLM's GEMMs see the same rows; the
+    uncached request prefills in the same 256-token chunks as the first)."""
+    _, ids = austen_ids
+    prompt = ids[60_000:61_100]
+    c = client(server_2bit)
+
+    def first_token(**extra):
+        r = c.completions.create(model="smollm2", prompt=prompt, max_tokens=1, temperature=0, logprobs=5,
+                                 extra_body={"return_tokens_as_token_ids": True, **extra})
+        return r.choices[0].logprobs.top_logprobs[0]
+
+    first = first_token()
+    q0, h0 = _prefix_cache_counters(server_2bit)
+    cached = first_token()
+    q1, h1 = _prefix_cache_counters(server_2bit)
+    uncached = first_token(cache_salt="test-prefix-cache-miss")
+    q2, h2 = _prefix_cache_counters(server_2bit)
+    print(f"\nhit: {h1 - h0:.0f} of {q1 - q0:.0f} tokens; salted: {h2 - h1:.0f} of {q2 - q1:.0f}; top-5 {cached}")
+    assert q1 - q0 == len(prompt) and h1 - h0 == 1024  # the whole page came from the cache
+    assert q2 - q1 == len(prompt) and h2 == h1  # the salted request computed it again
+    assert cached == uncached == first
+
+
+def _gauges(server) -> dict[str, float]:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _idle(server, timeout: float = 120) -> dict[str, float]:
+    import time
+
+    deadline = time.time() + timeout
+    while True:
+        g = _gauges(server)
+        if g.get("vllm:num_requests_running", 0) == 0 and g.get("vllm:num_requests_waiting", 0) == 0 \
+                or time.time() > deadline:
+            return g
+        time.sleep(0.5)
+
+
+def test_small_pages_hit_preempt_abort(server_small, austen_ids):
+    """Small pages through the real server: a prefix of two whole 64-token pages hits the prefix cache (vLLM's
+    counters) and gives the first-token logprobs of a miss bit for bit (a unique cache_salt); three concurrent
+    requests in a pool too small for them are preempted and give the first token they give alone; a stream dropped
+    mid-way and every finished request leave no page held (vLLM's KV usage back to 0)."""
+    _, ids = austen_ids
+    c = client(server_small)
+    log = server_small.log()
+    assert "small pages of 64 tokens" in log
+
+    def first(prompt, max_tokens=4, **extra):
+        r = c.completions.create(model="smollm2", prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=5,
+                                 extra_body={"return_tokens_as_token_ids": True, **extra})
+        return r.choices[0].text, r.choices[0].logprobs.top_logprobs[0]
+
+    prompt = ids[70_000:70_150]
+    want = first(prompt)
+    assert "temporalkv-2bit: attention and cache update on the C++ (" in server_small.log()
+    q0, h0 = _prefix_cache_counters(server_small)
+    hit = first(prompt)
+    q1, h1 = _prefix_cache_counters(server_small)
+    miss = first(prompt, cache_salt="test-small-pages-miss")
+    q2, h2 = _prefix_cache_counters(server_small)
+    assert (q1 - q0, h1 - h0) == (150, 128)  # two whole pages (and their sink page) from the cache
+    assert (q2 - q1, h2 - h1) == (150, 0)
+    assert hit == miss == want
+
+    # 64-token steps: A prefills alone, then decodes while B prefills, then both decode while C prefills - and the
+    # pool holds two whole requests and half of C: C (or whoever last asks for a page) is preempted and recomputed
+    prompts = [ids[80_000 + 2000 * i: 80_000 + 2000 * i + SMALL_PROMPT] for i in range(3)]
+    p0 = _gauges(server_small).get("vllm:num_preemptions_total", 0)
+    with cf.ThreadPoolExecutor(3) as ex:
+        together = list(ex.map(lambda p: first(p, max_tokens=SMALL_DECODE, ignore_eos=True), prompts))
+    assert _gauges(server_small).get("vllm:num_preemptions_total", 0) > p0  # the pool was too small for all three
+    alone = [first(p, cache_salt="test-small-pages-alone") for p in prompts]  # a miss each, nothing else running
+    for (tt, lt), (ta, la) in zip(together, alone):
+        top = max(la, key=la.get)
+        assert max(lt, key=lt.get) == top and abs(lt[top] - la[top]) < 1e-3, (lt, la)
+    assert _idle(server_small)["vllm:kv_cache_usage_perc"] == 0
+
+    stream = c.completions.create(model="smollm2", prompt=ids[90_000:90_500], max_tokens=400, temperature=0,
+                                  stream=True)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()  # the client goes away: vLLM aborts the request
+    assert _idle(server_small)["vllm:kv_cache_usage_perc"] == 0
 
 
 def test_seeded_sampling_of_a_chunked_prompt(server_2bit, austen_ids):

@@ -39,14 +39,15 @@ class LayerCache:
     def build(cls, fmt: str | KVFormat, layer: int, *, head_dim: int, block_size: int, dtype: torch.dtype,
               rope: Rope | None, num_kv_heads: int | None = None, artifact=None, outliers: bool = False,
               window: int | None = None, heads: list[int] | None = None,
-              device: str | torch.device = "cpu") -> "LayerCache":
+              device: str | torch.device = "cpu", exact_pages: bool = False) -> "LayerCache":
         """Layer ``layer``'s cache for format ``fmt``.  ``artifact`` (artifact.Artifact): the codebooks of a
         calibrated format (required for one, ignored by the calibration-free ones); ``heads``: the KV heads this
         cache holds, in order (a tensor-parallel rank's; default all of the artifact's); ``num_kv_heads``: the
         KV heads of this cache's pages (TaDA's head-mean shares); ``window``: a recent window overriding the
-        format's default; ``outliers``: exact outliers in the pages (codebook formats)."""
+        format's default; ``outliers``: exact outliers in the pages (codebook formats); ``exact_pages``: small pages
+        (the sinks and the incomplete block in exact pages of their own, layout.py)."""
         layout = layer_layout(fmt, layer, head_dim=head_dim, block_size=block_size, artifact=artifact,
-                              outliers=outliers, window=window, num_kv_heads=num_kv_heads)
+                              outliers=outliers, window=window, num_kv_heads=num_kv_heads, exact_pages=exact_pages)
         kq, vq = layer_quantizers(layout.fmt, layer, head_dim=head_dim, artifact=artifact, outliers=outliers,
                                   heads=heads, rope=rope, device=device)
         return cls(layout.fmt, layout, kq, vq, rope, dtype)
@@ -97,11 +98,12 @@ def layer_format(fmt: str | KVFormat, layer: int, artifact=None) -> KVFormat:
 
 
 def layer_layout(fmt: str | KVFormat, layer: int, *, head_dim: int, block_size: int, artifact=None,
-                 outliers: bool = False, window: int | None = None, num_kv_heads: int | None = None) -> PageLayout:
+                 outliers: bool = False, window: int | None = None, num_kv_heads: int | None = None,
+                 exact_pages: bool = False) -> PageLayout:
     """Layer ``layer``'s page layout (what its KV spec tells vLLM before any cache exists; ``LayerCache.build``'s
     layout): its format's (``layer_format``), with the serving options."""
     return PageLayout(layer_format(fmt, layer, artifact), head_dim, block_size, outliers, window,
-                      num_kv_heads=num_kv_heads, layer=layer)
+                      num_kv_heads=num_kv_heads, layer=layer, exact_pages=exact_pages)
 
 
 def layer_quantizers(fmt: str | KVFormat, layer: int, *, artifact=None, head_dim: int | None = None,

@@ -85,8 +85,22 @@ def bits_per_float(fmt: KVFormat, head_dim: int, context: int, outliers: bool = 
 # recompute need nothing outside vLLM's block manager.  The price is the fixed region per page:
 # 16 half-precision tokens (+ the window), which large pages amortize (see DESIGN in README / capacity bench).
 
+# Small pages (serving option temporalkv_small_pages, issue 34): the record above without its region - codes only - and
+# a second KV-cache group of vLLM's holding, per request, two *exact pages* of one record per KV head each:
+#
+#   exact    [8, 2 (K, V), D] half      the sink page: slot p = sink token p (prefix-cached with the first code page)
+#                                       the ring page: slot p % 8 = the incomplete block's token p (private)
+#
+# Both groups' pages are one size (vLLM's block pool is shared): the larger of the two records.  At 2 bits a code page
+# of 64 tokens (8 blocks x 256 bytes per head) is exactly one exact page (8 tokens x 256 bytes), so nothing is padded.
+
 REGION_SLOTS = 2 * BLOCK_TOKENS  # sinks + tail, without a window
 TAIL_SLOT0 = BLOCK_TOKENS  # the ring's first slot
+
+
+def exact_record_bytes(head_dim: int) -> int:
+    """One exact page's record per KV head: BLOCK_TOKENS K/V slots in half precision, 16-byte aligned."""
+    return -(-(BLOCK_TOKENS * 2 * head_dim * 2) // 16) * 16
 
 
 def exact_from(n: int, window: int) -> int:
@@ -118,10 +132,13 @@ def kind_geometry(fmt: KVFormat, kind: str, head_dim: int, layer: int | None = N
 
 class PageLayout:
     """Byte offsets inside one (page, KV head) record; shared by the torch path and kernels.  ``layer``: for a
-    format whose pages differ per layer (``KVFormat.per_layer_pages``: QJL)."""
+    format whose pages differ per layer (``KVFormat.per_layer_pages``: QJL).  ``exact_pages``: small pages - no
+    region, the sinks and the incomplete block in exact pages of their own (above); ``bytes`` is then the record
+    of both kinds of page."""
 
     def __init__(self, fmt: KVFormat, head_dim: int, block_size: int, outliers: bool = False,
-                 window: int | None = None, num_kv_heads: int | None = None, layer: int | None = None):
+                 window: int | None = None, num_kv_heads: int | None = None, layer: int | None = None,
+                 exact_pages: bool = False):
         if block_size % BLOCK_TOKENS or block_size < 2 * BLOCK_TOKENS:
             raise ValueError(
                 f"{fmt.name} needs a block size that is a multiple of {BLOCK_TOKENS} and at least "
@@ -129,8 +146,11 @@ class PageLayout:
             )
         self.fmt, self.head_dim, self.block_size, self.outliers = fmt, head_dim, block_size, outliers
         self.window = check_window(fmt.window if window is None else window, block_size)
+        self.exact_pages = exact_pages
+        if exact_pages and self.window:
+            raise ValueError(f"{fmt.name}: small pages keep no recent window (the ring page holds one block)")
         self.ring = self.window + BLOCK_TOKENS
-        self.region_slots = SINK_TOKENS + self.ring
+        self.region_slots = 0 if exact_pages else SINK_TOKENS + self.ring
         D = head_dim
         cl = fmt.part("k").code_layout  # the head mean: TaDA's, K and V alike
         self.blocks = block_size // BLOCK_TOKENS  # encode blocks per page
@@ -169,6 +189,10 @@ class PageLayout:
         self.v_val = off
         off += self.blocks * self.cap * 2
         self.bytes = -(-off // 16) * 16  # 16-byte aligned records
+        self.exact_bytes = exact_record_bytes(D) if exact_pages else 0
+        self.code_record_bytes = self.bytes
+        if exact_pages:  # one page size for both groups
+            self.bytes = max(self.bytes, self.exact_bytes)
 
     def ratio_vs_half(self) -> float:
         """Compression of one page against a bf16/fp16 page of the same tokens."""

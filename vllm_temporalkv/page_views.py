@@ -20,6 +20,13 @@ def region_view(lay: PageLayout, pages, dtype):
     return _slice(pages, lay.region, n).view(dtype).unflatten(-1, (lay.region_slots, 2, lay.head_dim))
 
 
+def exact_view(lay: PageLayout, pages, dtype):
+    """Small pages: [num_pages, H, BLOCK_TOKENS, 2, D] half, the exact pages' slots (layout.py)."""
+    assert lay.exact_pages, "only small pages keep exact pages"
+    return _slice(pages, 0, BLOCK_TOKENS * 2 * lay.head_dim * 2).view(dtype).unflatten(
+        -1, (BLOCK_TOKENS, 2, lay.head_dim))
+
+
 def scales_view(lay: PageLayout, pages, kind: str):
     """[num_pages, H, blocks, BLOCK_TOKENS, P] fp16 row scales for K ("k") or V ("v")."""
     start = lay.k_scales if kind == "k" else lay.v_scales

@@ -31,6 +31,8 @@ def _triton(lc):
         return None, f"triton not importable: {e}"
     if lc.kernel_blocker:
         return None, lc.kernel_blocker
+    if lc.layout.exact_pages:
+        return None, "the Triton kernels read the sinks and the tail from the code pages; small pages keep them apart"
     if not triton_path.supports(lc):
         return None, "the Triton kernels serve a half-precision model with head_dim 64, 128 or 256"
     return triton_path, None

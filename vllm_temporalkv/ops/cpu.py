@@ -30,6 +30,7 @@ variant (default: the best the CPU has); ``VLLM_TEMPORALKV_CPU_JIT=1`` compiles 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import platform
@@ -45,7 +46,7 @@ from ..page_views import region_view
 
 logger = logging.getLogger("vllm.temporalkv")
 
-ABI_VERSION = 5  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
+ABI_VERSION = 6  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
 # split-K: every request's context is cut at the same 8-tile (256-token) boundaries whatever the batch, so
 # its output does not depend on which requests share the step (a batch-dependent split count changed
 # float32 rounding, and a 2-bit cache amplifies that through the codes of later tokens: benchmarks/stress.py)
@@ -203,6 +204,9 @@ def supports(lc, pages: torch.Tensor | None = None) -> bool:
                                    and pages.is_contiguous())))
 
 
+_NONE32, _NONE64 = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64)  # no small pages
+
+
 def _i32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
@@ -219,7 +223,7 @@ def num_splits(max_tiles: int, split_tiles: int = SPLIT_TILES) -> int:
 def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                      out: torch.Tensor | None = None, *, split_tiles: int = SPLIT_TILES,
-                     exact: bool | None = None) -> torch.Tensor:
+                     exact: bool | None = None, small=None) -> torch.Tensor:
     """One query token per request: query [R, Hq, D], this step's key/value [R, Hkv, D], seq_lens [R]
     (cached + the new token), block_tables [R, P].  Reads the pages before this step's write_kv.
 
@@ -228,7 +232,9 @@ def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Te
     ops and per-position RoPE tables, then rounded to the model dtype), so outputs match its float64
     attention to ~1e-6.  exact=False is ~1.3-1.5x faster: keys rotated as R(tile start) R(offset) and K/V
     not rounded to the model dtype - a different rounding of the decoded values, up to ~1% on single
-    output elements of a real model (large logits amplify the model-dtype rounding of the keys)."""
+    output elements of a real model (large logits amplify the model-dtype rounding of the keys).
+
+    small: small pages' exact pages (``paged_torch.ExactPages``, its table's rows these requests')."""
     R, Hq, D = query.shape
     H = key.shape[1]
     if out is None:
@@ -238,7 +244,7 @@ def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Te
     if not supports(lc, pages):
         qsl = torch.arange(R + 1, device=query.device)
         return paged_torch.paged_attention(lc, pages, query, key, value, qsl, seq_lens, block_tables, scale,
-                                           out, batch_invariant=False)
+                                           out, batch_invariant=False, exact=small)
     sl = _i32(seq_lens)
     bt = _i32(block_tables)
     max_len = int(sl.max())
@@ -250,38 +256,44 @@ def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Te
     vn = lc.exact(value).float().contiguous()
     o32 = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(R, Hq, D)
     kt, ki, vt, vi, li = _args(lc, H)
+    xp = _NONE32 if small is None else _i32(small.table[:, :2])
     _C.decode_attention(pages, q32, kn, vn, sl, bt, cosT, sinT, o32, kt, ki, vt, vi, li, float(scale),
-                        int(split_tiles), bool(exact), tcos, tsin, dcos, dsin, 1.0 / float(lc.rope.scale))
+                        int(split_tiles), bool(exact), tcos, tsin, dcos, dsin, 1.0 / float(lc.rope.scale), xp)
     if o32 is not out:
         out.copy_(o32)
     return out
 
 
 @torch.no_grad()
-def gather_kv(lc, pages: torch.Tensor, block_table: torch.Tensor, n: int):
+def gather_kv(lc, pages: torch.Tensor, block_table: torch.Tensor, n: int, exact=None):
     """The first n cached tokens of one sequence -> (K post-RoPE, V) [n, H, D] in lc.dtype, bit-identical
-    to ``paged_torch.gather_kv``."""
+    to ``paged_torch.gather_kv``; ``exact``: small pages' (region, sink page, ring page) as there."""
     if not supports(lc, pages):
-        return paged_torch.gather_kv(lc, pages, block_table, n)
+        return paged_torch.gather_kv(lc, pages, block_table, n, exact=exact)
     H = pages.shape[1]
     cos, sin = rope_tables(lc.rope, max(int(n), 1))[:2]
-    return tuple(_C.gather(pages, _i32(block_table), int(n), cos, sin, *_args(lc, H)))
+    sink, ring = (-1, -1) if exact is None else (int(exact[1]), int(exact[2]))
+    return tuple(_C.gather(pages, _i32(block_table), int(n), cos, sin, *_args(lc, H), sink, ring))
 
 
 @torch.no_grad()
 def write_kv(lc, pages: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
-             page_ids: torch.Tensor) -> None:
+             page_ids: torch.Tensor, exact=None) -> None:
     """Twin of ``paged_torch.write_kv`` (same arguments, bit-identical pages)."""
     if key.shape[0] == 0:
         return
     if not supports(lc, pages):
-        return paged_torch.write_kv(lc, pages, key, value, positions, page_ids)
+        return paged_torch.write_kv(lc, pages, key, value, positions, page_ids, exact=exact)
+    if lc.layout.exact_pages != (exact is not None):
+        raise ValueError("small pages are written with their exact pages, other layouts without")
+    sinks, rings = (_NONE64, _NONE64) if exact is None else (exact[1].to(torch.int64).contiguous(),
+                                                             exact[2].to(torch.int64).contiguous())
     pos = positions.to(torch.int64).contiguous()
     pid = page_ids.to(torch.int64).contiguous()
     cos, sin = rope_tables(lc.rope, int(pos.max()) + 1)[:2]
     kh = key.to(lc.store_dtype).contiguous()
     vh = value.to(lc.store_dtype).contiguous()
-    _C.write_kv(pages, kh, vh, pos, pid, cos, sin, float(lc.rope.scale) ** 2, *_args(lc, key.shape[1]))
+    _C.write_kv(pages, kh, vh, pos, pid, cos, sin, float(lc.rope.scale) ** 2, *_args(lc, key.shape[1]), sinks, rings)
 
 
 def nearest(vecs: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -307,8 +319,10 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     batch_invariant: bool = True,
+    exact=None,
 ) -> torch.Tensor:
-    """Drop-in for ``paged_torch.paged_attention`` (same signature and semantics).
+    """Drop-in for ``paged_torch.paged_attention`` (same signature and semantics; ``exact``: small pages'
+    ``paged_torch.ExactPages``).
 
     Requests with one query token go to the fused decode kernel in one call (float32; with
     ``batch_invariant`` they stay on the float64 torch attention, whose result does not depend on
@@ -316,14 +330,14 @@ def paged_attention(
     decoder (bit-identical to the torch gather)."""
     if not supports(lc, pages):
         return paged_torch.paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens,
-                                           block_tables, scale, out, batch_invariant)
+                                           block_tables, scale, out, batch_invariant, exact=exact)
     if out is None:
         out = torch.empty_like(query)
     rest = list(range(seq_lens.shape[0])) if batch_invariant else _attend_decodes(
-        lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out)[0]
+        lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out, exact)[0]
     if rest:  # prefill chunks: the torch attention on K/V the C++ decoder gathered
         paged_torch.paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale,
-                                    out, batch_invariant, requests=rest, gather=gather_kv)
+                                    out, batch_invariant, requests=rest, gather=gather_kv, exact=exact)
     return out
 
 
@@ -331,7 +345,7 @@ def paged_attention(
 def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
             positions: torch.Tensor, page_ids: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-            batch_invariant: bool = True, plan=None) -> torch.Tensor:
+            batch_invariant: bool = True, plan=None, exact=None) -> torch.Tensor:
     """Twin of ``paged_torch.forward`` (a layer's step: attention, then the cache update; ``plan``: the
     Triton path's, unused here).
 
@@ -343,29 +357,33 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
     which may reuse their tail slots."""
     if not supports(lc, pages) or batch_invariant:
         return paged_torch.forward(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables,
-                                   positions, page_ids, scale, out, batch_invariant)
+                                   positions, page_ids, scale, out, batch_invariant, exact=exact)
     if out is None:
         out = torch.empty_like(query)
-    rest, rows = _attend_decodes(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out)
+    rest, rows = _attend_decodes(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out,
+                                 exact)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for r in rest:
         a, b = qsl[r], qsl[r + 1]
         _prefill(lc, pages, query[a:b], key[a:b], value[a:b], positions[a:b], page_ids[a:b], block_tables[r],
-                 lens[r], scale, out[a:b])
+                 lens[r], scale, out[a:b], None if exact is None else exact.request(r))
+    tok = None if exact is None else exact.tokens(query_start_loc, key.shape[0])  # (region, sink [N], ring [N])
     if rows is None:  # every request a decode
-        write_kv(lc, pages, key, value, positions, page_ids)
+        write_kv(lc, pages, key, value, positions, page_ids, exact=tok)
     elif rows.numel():
-        write_kv(lc, pages, key[rows], value[rows], positions[rows], page_ids[rows])
+        write_kv(lc, pages, key[rows], value[rows], positions[rows], page_ids[rows],
+                 exact=None if tok is None else (tok[0], tok[1][rows], tok[2][rows]))
     return out
 
 
-def _attend_decodes(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out):
+def _attend_decodes(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out, exact=None):
     """The requests with one query token attend in one fused decode call (before any write of the step),
     into out.  Returns (the other requests' indices, the decode rows of query - None when every row is one)."""
     R = seq_lens.shape[0]
     if R > 0 and query.shape[0] == R and bool((query_start_loc[1:] - query_start_loc[:-1] == 1).all()):
-        decode_attention(lc, pages, query, key, value, seq_lens, block_tables, scale, out)  # no per-request Python
+        decode_attention(lc, pages, query, key, value, seq_lens, block_tables, scale, out,
+                         small=exact)  # no per-request Python
         return [], None
     qsl = query_start_loc.tolist()
     dec = [r for r in range(R) if qsl[r + 1] - qsl[r] == 1]
@@ -373,26 +391,34 @@ def _attend_decodes(lc, pages, query, key, value, query_start_loc, seq_lens, blo
     rows = torch.tensor([qsl[r] for r in dec], dtype=torch.long, device=query.device)
     if dec:
         ridx = torch.tensor(dec, dtype=torch.long, device=query.device)
+        small = None if exact is None else dataclasses.replace(exact, table=exact.table[ridx])
         out[rows] = decode_attention(lc, pages, query[rows], key[rows], value[rows], seq_lens[ridx],
-                                     block_tables[ridx], scale).to(out.dtype)
+                                     block_tables[ridx], scale, small=small).to(out.dtype)
     return rest, rows
 
 
-def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: float, out: torch.Tensor) -> None:
-    """One request's chunk of new tokens (positions n - len(q) .. n - 1): write, then attend."""
+def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: float, out: torch.Tensor,
+             exact=None) -> None:
+    """One request's chunk of new tokens (positions n - len(q) .. n - 1): write, then attend.  ``exact``: small
+    pages' (region, sink page, ring page) of this request (``ExactPages.request``)."""
     ctx = n - q.shape[0]
     lo = max(SINK_TOKENS, ctx // BLOCK_TOKENS * BLOCK_TOKENS)
     e0 = min(lo, ctx)  # exact values from here on: the queries' own blocks
     ke, ve = lc.exact(k), lc.exact(v)
     if ctx > lo:  # the context's incomplete block waits in its page's tail slots: read before writing
-        region = region_view(lc.layout, pages, lc.store_dtype)
-        tail = region[table[lo // lc.block_size], :, TAIL_SLOT0:TAIL_SLOT0 + ctx - lo].to(lc.dtype)
+        if exact is None:
+            region = region_view(lc.layout, pages, lc.store_dtype)
+            tail = region[table[lo // lc.block_size], :, TAIL_SLOT0:TAIL_SLOT0 + ctx - lo].to(lc.dtype)
+        else:  # small pages: in slots 0.. of the request's ring page
+            tail = exact[0][exact[2], :, : ctx - lo].to(lc.dtype)
         ke = torch.cat([tail[:, :, 0].transpose(0, 1), ke])
         ve = torch.cat([tail[:, :, 1].transpose(0, 1), ve])
-    write_kv(lc, pages, k, v, positions, page_ids)
+    nq = k.shape[0]
+    write_kv(lc, pages, k, v, positions, page_ids,
+             exact=None if exact is None else (exact[0], exact[1].expand(nq), exact[2].expand(nq)))
     hi = n // BLOCK_TOKENS * BLOCK_TOKENS
     m = max(hi, min(n, SINK_TOKENS))  # sinks and whole blocks: all in the pages now
-    kg, vg = gather_kv(lc, pages, table, m)
+    kg, vg = gather_kv(lc, pages, table, m, exact=exact)
     Kd = torch.cat([kg, ke[m - e0:]])
     Vd = torch.cat([vg, ve[m - e0:]])
     K, V = Kd.clone(), Vd.clone()

@@ -18,10 +18,14 @@ Cache contract (one layer; ``pages`` is ``[num_pages, H, layout.bytes]`` uint8, 
 * with a recent window of W tokens (layout.window, e.g. the selective formats) a block is encoded only once
   the sequence reaches W tokens past it: tokens wait in ring slot 8 + p % (W + 8) of their own page, and a
   query at position i sees exactly every key from ``layout.exact_from(i, W)`` on (write_kv_window).
+* small pages (``layout.exact_pages``, issue 34): the same contract, but the sinks and the waiting tokens live in
+  exact pages of a second KV-cache group, not in the code pages' region: sink p in slot p of the request's sink
+  page, a waiting token p in slot p % BLOCK_TOKENS of its ring page (``ExactPages``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -33,6 +37,35 @@ from ..layout import TAIL_SLOT0, exact_from
 from ..methods import BLOCK_TOKENS, SINK_TOKENS
 from ..page_views import (codes_view, join_head_mean, mean_view, outlier_views, pack_block_codes, region_view,
                           scales_view, split_head_mean, unpack_block_codes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactPages:
+    """Small pages: where each request's exact tokens are.  ``region`` [num_pages, H, BLOCK_TOKENS, 2, D] half (the
+    exact pages, ``page_views.exact_view``), ``table`` [R, >= 2]: each request's (sink page, ring page), the rows of
+    the second KV-cache group's block table."""
+
+    region: torch.Tensor
+    table: torch.Tensor
+
+    def request(self, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(region, sink page, ring page) of request r: what gather_kv reads."""
+        return self.region, self.table[r, 0].long(), self.table[r, 1].long()
+
+    def tokens(self, query_start_loc: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(region, sink page [n], ring page [n]) of a step's n tokens: what write_kv writes."""
+        qsl = query_start_loc.long().cpu()
+        req = torch.repeat_interleave(torch.arange(len(qsl) - 1), qsl[1:] - qsl[:-1])[:n].to(self.table.device)
+        return self.region, self.table[req, 0].long(), self.table[req, 1].long()
+
+
+def _regions(lc: LayerCache, pages, page_ids, exact):
+    """(region, sink page per token, tail page per token, first tail slot): the code pages' own region (sinks in the
+    first page, waiting tokens in their page), or small pages' exact pages (``ExactPages.tokens``)."""
+    if exact is None:
+        return region_view(lc.layout, pages, lc.store_dtype), page_ids, page_ids, TAIL_SLOT0
+    region, sink, ring = exact
+    return region, sink, ring, 0
 
 
 def _stored_keys(lc: LayerCache, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -76,18 +109,22 @@ def write_kv(
     value: torch.Tensor,
     positions: torch.Tensor,
     page_ids: torch.Tensor,
+    exact=None,
 ) -> None:
     """Cache update for N new tokens (any mix of requests, each request's tokens in order).
 
-    key/value [N, H, D] (post-RoPE keys, as vLLM passes them), positions [N], page_ids [N]."""
+    key/value [N, H, D] (post-RoPE keys, as vLLM passes them), positions [N], page_ids [N]; ``exact``: small pages'
+    (region, sink page [N], ring page [N]) (``ExactPages.tokens``)."""
     if key.shape[0] == 0:
         return
     lay = lc.layout
     if lay.window:
         raise ValueError("a page layout with a recent window is written by write_kv_window (it needs the block tables)")
-    region = region_view(lay, pages, lc.store_dtype)
+    if lay.exact_pages != (exact is not None):
+        raise ValueError("small pages are written with their exact pages, other layouts without")
     pos = positions.long()
     pid = page_ids.long()
+    region, spg, tpg, tail0 = _regions(lc, pages, pid, exact)
     off = pos % BLOCK_TOKENS
     is_sink = pos < SINK_TOKENS
     ends = (~is_sink) & (off == BLOCK_TOKENS - 1)  # tokens that complete a block
@@ -109,18 +146,18 @@ def write_kv(
     #    before step 3 writes, which may reuse those slots (a later block of the same page)
     e = i[ends]
     if e.numel():
-        _encode_completed(lc, pages, region, kh, vh, pos, pid, e)
+        _encode_completed(lc, pages, region, kh, vh, pos, pid, e, tpg, tail0)
 
     # 3. the waiting tokens (and sinks) go to the region
     s = is_sink
-    region[pid[s], :, pos[s], 0] = kh[s]
-    region[pid[s], :, pos[s], 1] = vh[s]
+    region[spg[s], :, pos[s], 0] = kh[s]
+    region[spg[s], :, pos[s], 1] = vh[s]
     t = (~is_sink) & (~completes_here)
-    region[pid[t], :, TAIL_SLOT0 + off[t], 0] = kh[t]
-    region[pid[t], :, TAIL_SLOT0 + off[t], 1] = vh[t]
+    region[tpg[t], :, tail0 + off[t], 0] = kh[t]
+    region[tpg[t], :, tail0 + off[t], 1] = vh[t]
 
 
-def _encode_completed(lc: LayerCache, pages, region, kh, vh, pos, pid, e) -> None:
+def _encode_completed(lc: LayerCache, pages, region, kh, vh, pos, pid, e, tpg=None, tail0: int = TAIL_SLOT0) -> None:
     """Gather the rows of the blocks ending at this call's tokens e, un-RoPE the keys, encode."""
     nblk = e.numel()
     H, D = kh.shape[1], kh.shape[2]
@@ -131,8 +168,9 @@ def _encode_completed(lc: LayerCache, pages, region, kh, vh, pos, pid, e) -> Non
         inb = (src >= 0)
         srcc = src.clamp_min(0)
         inb &= (pid[srcc] == pid[e]) & (pos[srcc] == pos[e] - (BLOCK_TOKENS - 1 - r))
-        from_tail_k = region[pid[e], :, TAIL_SLOT0 + r, 0]
-        from_tail_v = region[pid[e], :, TAIL_SLOT0 + r, 1]
+        tp = (pid if tpg is None else tpg)[e]
+        from_tail_k = region[tp, :, tail0 + r, 0]
+        from_tail_v = region[tp, :, tail0 + r, 1]
         kb[:, r] = torch.where(inb[:, None, None], kh[srcc], from_tail_k)
         vb[:, r] = torch.where(inb[:, None, None], vh[srcc], from_tail_v)
     block_pos = (pos[e] - (BLOCK_TOKENS - 1))[:, None] + torch.arange(BLOCK_TOKENS, device=kh.device)
@@ -182,18 +220,22 @@ def write_kv_window(lc: LayerCache, pages: torch.Tensor, key: torch.Tensor, valu
 
 
 @torch.no_grad()
-def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n: int, *, decode_blocks=None):
+def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n: int, *, decode_blocks=None,
+              exact=None):
     """The first n cached tokens of one sequence -> (K post-RoPE, V), each [n, H, D] in lc.dtype.
     ``decode_blocks(lc, pages, block_table, full, K, V)``: a twin that fills rows [8, 8 * full) from the codes
-    (the Triton path's kernel); the exact sinks and tail are copied here either way."""
+    (the Triton path's kernel); the exact sinks and tail are copied here either way.  ``exact``: small pages'
+    (region, sink page, ring page) of this sequence (``ExactPages.request``)."""
     lay = lc.layout
-    region = region_view(lay, pages, lc.store_dtype)
+    if lay.exact_pages != (exact is not None):
+        raise ValueError("small pages are read with their exact pages, other layouts without")
+    region = region_view(lay, pages, lc.store_dtype) if exact is None else exact[0]
     H, D = region.shape[1], region.shape[-1]
     K = torch.empty(n, H, D, dtype=lc.dtype, device=pages.device)
     V = torch.empty_like(K)
     ns = min(n, SINK_TOKENS)
     if ns:
-        p0 = block_table[0]
+        p0 = block_table[0] if exact is None else exact[1]
         K[:ns] = region[p0, :, :ns, 0].transpose(0, 1)
         V[:ns] = region[p0, :, :ns, 1].transpose(0, 1)
     tail0 = exact_from(n, lay.window)  # the encoded blocks end here; the ring holds the rest
@@ -223,7 +265,10 @@ def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n:
             out[BLOCK_TOKENS : full * BLOCK_TOKENS] = x.to(lc.dtype)
     if n > tail0:
         p = torch.arange(tail0, n, device=pages.device)
-        pg, slot = block_table[(p // lc.block_size).long()], lay.ring_slot(p)
+        if exact is None:
+            pg, slot = block_table[(p // lc.block_size).long()], lay.ring_slot(p)
+        else:
+            pg, slot = exact[2].expand(p.shape), p % BLOCK_TOKENS
         K[tail0:] = region[pg, :, slot, 0]
         V[tail0:] = region[pg, :, slot, 1]
     return K, V
@@ -457,6 +502,7 @@ def paged_attention(
     *,
     requests=None,
     gather=None,
+    exact: ExactPages | None = None,
 ) -> torch.Tensor:
     """query [T, Hq, D] and this step's key/value [T, Hkv, D] for a batch of requests laid out by
     query_start_loc [R + 1]; seq_lens [R] count cached + new tokens. Returns [T, Hq, D].
@@ -464,7 +510,8 @@ def paged_attention(
     batch_invariant: on the CPU, accumulate in float64 so that outputs do not depend on chunking or
     batching (the oracle); otherwise float32 with torch's fused flash attention (the serving default).
     requests: only these request indices (others' rows of ``out`` untouched); gather: a twin of
-    ``gather_kv`` (the C++ one) - how the fast paths reuse this attention for prefill chunks."""
+    ``gather_kv`` (the C++ one) - how the fast paths reuse this attention for prefill chunks; ``exact``: small
+    pages' exact pages (``ExactPages``)."""
     if out is None:
         out = torch.empty_like(query)
     qsl = query_start_loc.tolist()
@@ -475,7 +522,10 @@ def paged_attention(
         if b == a:
             continue
         ctx = n - (b - a)
-        kc, vc = gather(lc, pages, block_tables[r], ctx)  # decoded blocks + exact tail
+        if exact is None:
+            kc, vc = gather(lc, pages, block_tables[r], ctx)  # decoded blocks + exact tail
+        else:  # small pages: gather_kv or the C++ twin, with the request's exact pages
+            kc, vc = gather(lc, pages, block_tables[r], ctx, exact=exact.request(r))
         K = torch.cat([kc, lc.exact(key[a:b])])
         V = torch.cat([vc, lc.exact(value[a:b])])
         # blocks that leave the window during this step (the context's tail block included) also in
@@ -493,14 +543,17 @@ def paged_attention(
 
 @torch.no_grad()
 def forward(lc: LayerCache, pages, query, key, value, query_start_loc, seq_lens, block_tables, positions, page_ids,
-            scale: float, out: torch.Tensor | None = None, batch_invariant: bool = True, plan=None) -> torch.Tensor:
+            scale: float, out: torch.Tensor | None = None, batch_invariant: bool = True, plan=None,
+            exact: ExactPages | None = None) -> torch.Tensor:
     """One layer's step as the backend runs it: attention (``paged_attention``), then the cache update
     (``write_kv``, or ``write_kv_window`` with a recent window) - in that order, as the cache contract requires.
-    ``plan``: the Triton path's per-step plan (triton_path.StepPlan), not needed here."""
+    ``plan``: the Triton path's per-step plan (triton_path.StepPlan), not needed here; ``exact``: small pages'
+    exact pages (``ExactPages``)."""
     out = paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out,
-                          batch_invariant)
+                          batch_invariant, exact=exact)
     if lc.layout.window:
         write_kv_window(lc, pages, key, value, query_start_loc, seq_lens, block_tables)
     else:
-        write_kv(lc, pages, key, value, positions, page_ids)
+        write_kv(lc, pages, key, value, positions, page_ids,
+                 exact=None if exact is None else exact.tokens(query_start_loc, key.shape[0]))
     return out

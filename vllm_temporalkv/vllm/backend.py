@@ -41,6 +41,7 @@ from .. import ops
 from ..cache import LayerCache, layer_layout
 from ..formats import BLOCK_TOKENS, FORMATS, FormatError, check_head_dim, get_format
 from ..layout import PageLayout
+from ..page_views import exact_view
 from ..rope import Rope
 from . import compat
 from .options import DEFAULT_BLOCK_SIZE, TemporalKVConfigError, load_artifact, logger, serving_options
@@ -131,6 +132,45 @@ class TemporalKVBackend(AttentionBackend):
                                         f"of {head_size}, block {block_size}) before any layer described them")
         return (num_blocks, num_kv_heads, record)
 
+    @staticmethod
+    def exact_backend() -> type["TemporalKVExactBackend"]:
+        """The backend of the exact pages' group under small pages (compat.ExactSlotsLayer)."""
+        return TemporalKVExactBackend
+
+
+class TemporalKVExactBackend(TemporalKVBackend):
+    """The exact pages' group under small pages (compat.ExactSlotsLayer): no attention of its own; its builder hands
+    the attention layers each step's block table of the group, [request, (sink page, ring page)]."""
+
+    @staticmethod
+    def get_builder_cls() -> type["TemporalKVExactBuilder"]:
+        return TemporalKVExactBuilder
+
+    @classmethod
+    def customize_spec(cls, spec):
+        return spec  # sized by ExactSlotsLayer.get_kv_cache_spec
+
+
+@dataclasses.dataclass
+class ExactMetadata:
+    block_table: torch.Tensor  # [R, >= 2]: (sink page, ring page) per request
+
+
+class TemporalKVExactBuilder(AttentionMetadataBuilder[ExactMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.reorder_batch_threshold = 1  # as the code pages' builder
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> ExactMetadata | None:
+        cam = common_attn_metadata
+        sm = getattr(cam, "slot_mapping", None)
+        if sm is not None and sm.numel() and int(sm[0]) < 0:  # a dummy batch (TemporalKVMetadataBuilder.build)
+            return None
+        return ExactMetadata(cam.block_table_tensor[: cam.num_reqs])
+
 
 @dataclasses.dataclass
 class TemporalKVMetadata:
@@ -214,6 +254,7 @@ class TemporalKVImpl(AttentionImpl):
         self._batch_invariant = opts["batch_invariant"]
         self._outliers = opts["outliers"]
         self._window = opts["window"]
+        self._small_pages = opts["small_pages"]  # exact tokens in a second KV-cache group (compat.ExactSlotsLayer)
         self._block_size = cfg.cache_config.block_size
         self._dtype = cfg.model_config.dtype
         self._hf_config = cfg.model_config.hf_config
@@ -225,7 +266,8 @@ class TemporalKVImpl(AttentionImpl):
         kernels).  Also what this layer's KV spec tells vLLM (plugin._record_bytes)."""
         return layer_layout(self.kv_cache_dtype, index, head_dim=self.head_size,
                             block_size=block_size or self._block_size, artifact=self._artifact,
-                            outliers=self._outliers, window=self._window, num_kv_heads=self.num_kv_heads)
+                            outliers=self._outliers, window=self._window, num_kv_heads=self.num_kv_heads,
+                            exact_pages=self._small_pages)
 
     def _layer_cache(self, layer, device) -> LayerCache:
         """Built on the first forward, when the layer's name (hence its index) is known."""
@@ -238,7 +280,7 @@ class TemporalKVImpl(AttentionImpl):
                                         block_size=self._block_size, dtype=self._dtype,
                                         rope=Rope(self._hf_config, device), num_kv_heads=self.num_kv_heads,
                                         artifact=self._artifact, outliers=self._outliers, window=self._window,
-                                        heads=heads, device=device)
+                                        heads=heads, device=device, exact_pages=self._small_pages)
             self._ops, path = ops.select(self._lc, device)
             if self._batch_invariant:
                 path += ", batch-invariant float64 attention"
@@ -262,6 +304,18 @@ class TemporalKVImpl(AttentionImpl):
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
         plan = m.plan(pages.device) if hasattr(self._ops, "plan_step") else None  # the Triton path's
+        extra = {"exact": self._exact_pages(layer, lc)} if self._small_pages else {}
         self._ops.forward(lc, pages, q, k, v, m.query_start_loc, m.seq_lens, m.block_table, m.positions,
-                          m.page_ids, self.scale, out=out, batch_invariant=self._batch_invariant, plan=plan)
+                          m.page_ids, self.scale, out=out, batch_invariant=self._batch_invariant, plan=plan, **extra)
         return output
+
+    def _exact_pages(self, layer, lc: LayerCache):
+        """Small pages: this step's view of the companion layer's exact pages and their block table."""
+        from ..ops.paged_torch import ExactPages
+
+        got = compat.exact_metadata(layer)
+        if got is None or got[1] is None:
+            raise TemporalKVConfigError(f"{layer.layer_name}: small pages, but vLLM built no exact-page metadata for "
+                                        "this step (is the hybrid KV-cache manager on?)")
+        epages, meta = got
+        return ExactPages(exact_view(lc.layout, epages, lc.store_dtype), meta.block_table)

