@@ -20,7 +20,9 @@ a format's loss comes from), a recent window of N half-precision tokens (``@wind
 ``temporalkv_recent_window``; its tokens are counted in the bits), and only layers A..B compressed (``@layersA-B``,
 per-layer sensitivity; its bits are the format's); parts combine with ``+`` (``@keys-only+layers0-5``).  ``--formats`` also takes any of these by name
 (``temporalkv-2bit@window32``; with ``--no-ablations``, only those).  Results go to benchmarks/results/quality.{json,md} and PNG plots; each
-configuration is saved as soon as it is done, and a rerun with the same settings skips it.
+configuration is saved as soon as it is done, and a rerun with the same settings skips it.  A model other than the
+default SmolLM2 (``--model qwen2.5-coder-1.5b``) has its own files and headline keys beside SmolLM2's
+(quality-qwen2.5-1.5b.json, ``quality.brown.qwen2.5-1.5b.<format>.ppl``: ``model_tag``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,19 @@ from vllm_temporalkv.layout import bits_per_float
 from .common import add_headline_arg, add_out_arg, merge_headline, run_record, write_json
 
 ABLATION_FORMATS = ("temporalkv-2bit", "temporalkv-1bit")
+MODEL_TAGS = {"qwen2.5-coder-1.5b": "qwen2.5-1.5b"}  # embedded models' short names in headline keys and files
+
+
+def model_tag(model: str | None) -> str:
+    """The model's part of headline keys and file names: "" for the default SmolLM2 (its keys and files as they
+    always were: quality.brown.<format>.ppl, quality.json), else a short name (quality.brown.qwen2.5-1.5b.<format>.ppl,
+    quality-qwen2.5-1.5b.json) so that models' results live side by side."""
+    if model is None or model == "smollm2":
+        return ""
+    if model in MODEL_TAGS:
+        return MODEL_TAGS[model]
+    name = Path(model.rstrip("/")).name.removesuffix(".gguf").lower()
+    return "".join(c if c.isalnum() or c in ".-_" else "-" for c in name)
 
 
 def config_names(formats: list[str], ablations: bool, have_unweighted: bool, seeds: tuple[str, ...] = ()) -> list[str]:
@@ -106,7 +121,9 @@ def run(args) -> dict:
     if seeds and args.protocol != "thesis":
         raise SystemExit(f"{', '.join(seeds)}: simulated in the thesis protocol only (vllm_temporalkv/harness/seeds.py)")
     suffix = "" if args.protocol == "thesis" else f"-{args.protocol}"
-    out_json = Path(args.out) / f"quality{suffix}.json"
+    tag = model_tag(args.model)
+    stem = f"quality-{tag}{suffix}" if tag else f"quality{suffix}"  # quality[-model][-protocol]
+    out_json = Path(args.out) / f"{stem}.json"
     prev = {}
     if out_json.is_file():
         import json
@@ -173,13 +190,14 @@ def run(args) -> dict:
     report = _report(settings, res, art, formats, prev)
     write_json(out_json, report)
 
-    figures = {f"quality.{args.data}{suffix}.{name}.ppl": r["ppl"] for name, r in res.items() if "@" not in name}
-    figures.update({f"quality.{args.data}{suffix}.{name}.bits_per_float": r["bits"]["total"]
+    where = f"quality.{args.data}{suffix}." + (f"{tag}." if tag else "")
+    figures = {f"{where}{name}.ppl": r["ppl"] for name, r in res.items() if "@" not in name}
+    figures.update({f"{where}{name}.bits_per_float": r["bits"]["total"]
                     for name, r in res.items() if "@" not in name})
     if not args.no_headline:
         merge_headline(figures)
-    write_markdown(report, Path(args.out) / f"quality{suffix}.md")
-    plot(report, art, Path(args.out), suffix)
+    write_markdown(report, Path(args.out) / f"{stem}.md")
+    plot(report, art, Path(args.out), stem.removeprefix("quality"), f"-{tag}" if tag else "")
     return report
 
 
@@ -260,7 +278,7 @@ def write_markdown(report: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def plot(report: dict, art: Artifact | None, out: Path, suffix: str = "") -> None:
+def plot(report: dict, art: Artifact | None, out: Path, suffix: str = "", model_part: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -305,7 +323,7 @@ def plot(report: dict, art: Artifact | None, out: Path, suffix: str = "") -> Non
         axes[0][0].set_ylabel("< 1: temporal chunking wins")
         axes[0][0].legend()
         fig.tight_layout()
-        fig.savefig(out / "quality_layer_mse.png", dpi=120)
+        fig.savefig(out / f"quality{model_part}_layer_mse.png", dpi=120)
         plt.close(fig)
 
 

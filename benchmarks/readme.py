@@ -32,16 +32,31 @@ def _grouped(h: dict, pattern: str) -> dict[str, dict[str, dict[str, float]]]:
     return rows
 
 
-def quality_table(h: dict) -> list[str]:
-    rows = {}
+def _quality(h: dict) -> dict[tuple[str, str], dict[str, dict[str, float]]]:
+    """quality.<data>[.<model>].<format>.<metric> -> {(data, model): {format: {metric: value}}}; the default
+    SmolLM2's keys have no model part (model ""), another model's a short name with dots (qwen2.5-1.5b)."""
+    rows: dict[tuple[str, str], dict[str, dict[str, float]]] = {}
     for k, v in h.items():
-        m = re.fullmatch(r"quality\.([^.]+)\.(.+)\.ppl", k)
+        m = re.fullmatch(r"quality\.([^.]+)\.(?:(.+)\.)?([^.]+)\.(ppl|bits_per_float)", k)
         if m:
-            rows.setdefault(m.group(1), {})[m.group(2)] = v
+            rows.setdefault((m.group(1), m.group(2) or ""), {}).setdefault(m.group(3), {})[m.group(4)] = v
+    return dict(sorted(rows.items()))
+
+
+def _where(data: str, model: str) -> tuple[str, str]:
+    """A table's title part and its results files' stem (benchmarks.quality's model_tag)."""
+    return (f"{data}, {model}", f"quality-{model}") if model else (data, "quality")
+
+
+def quality_table(h: dict) -> list[str]:
     out = []
-    for data, r in sorted(rows.items()):
-        out += [f"**Perplexity, {data}** (simulated compression, thesis protocol; lower is better; "
-                f"details in [benchmarks/results/quality.md](benchmarks/results/quality.md))", "",
+    for (data, model), x in _quality(h).items():
+        r = {n: m["ppl"] for n, m in x.items() if "ppl" in m}
+        if not r:
+            continue
+        title, stem = _where(data, model)
+        out += [f"**Perplexity, {title}** (simulated compression, thesis protocol; lower is better; "
+                f"details in [benchmarks/results/{stem}.md](benchmarks/results/{stem}.md))", "",
                 "| bits | " + " | ".join(f"{m} | {m} +1% outliers" for m in METHODS) + " |",
                 "|---|" + "---|" * (2 * len(METHODS))]
         if "bf16" in r:
@@ -57,16 +72,16 @@ def quality_table(h: dict) -> list[str]:
 
 def pareto_table(h: dict) -> list[str]:
     """Every method with a measured all-in bits per float, fewest bits last: the frontier a user picks from."""
-    rows = _grouped(h, r"quality\.([^.]+)\.(.+)\.(ppl|bits_per_float)")
     out = []
-    for data, r in sorted(rows.items()):
+    for (data, model), r in _quality(h).items():
         pts = {n: x for n, x in r.items() if "bits_per_float" in x and "ppl" in x and n != "bf16"}
         if not pts:
             continue
         base = r.get("bf16", {}).get("ppl")
-        out += [f"**Every method at its all-in bits per float, {data}** (codes, scales, norms, means, outliers, "
+        title, stem = _where(data, model)
+        out += [f"**Every method at its all-in bits per float, {title}** (codes, scales, norms, means, outliers, "
                 "sinks and recent windows at 2048 tokens; every method as served but TaDA's per-layer mix, simulated; "
-                "chart: [benchmarks/results/quality_pareto.png](benchmarks/results/quality_pareto.png))", "",
+                f"chart: [benchmarks/results/{stem}_pareto.png](benchmarks/results/{stem}_pareto.png))", "",
                 "| method | bits/float | ppl | ppl ÷ bf16 |", "|---|---|---|---|"]
         for n, x in sorted(pts.items(), key=lambda kv: (-kv[1]["bits_per_float"], kv[1]["ppl"])):
             out.append(f"| {n} | {_fmt(x['bits_per_float'])} | {_fmt(x['ppl'])} | "

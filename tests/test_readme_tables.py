@@ -36,3 +36,29 @@ def test_render_places_every_kind_of_figure():
     assert lines[auto + 2] == "| temporalkv-4bit | – | 0.750 | 0.450 | 0.95 [0.81, 1.02] |"
     assert "| wiki-leads-8w | temporalkv-2bit | fisher | 0.096 | 0.323 | 40.42 |" in lines
     assert "throughput.h100-l8b.8192-512.auto.output_tok_s" in text and "1234.500" in text
+
+
+def test_render_keeps_models_apart():
+    """Another model's perplexities (quality.<data>.<model>.<format>.*, benchmarks.quality's model_tag) get their
+    own tables, linked to their own files; the default model's tables are not touched by them."""
+    smol = {"quality.brown.bf16.ppl": 32.0, "quality.brown.temporalkv-2bit.ppl": 40.5,
+            "quality.brown.temporalkv-2bit.bits_per_float": 2.08}
+    qwen = {"quality.brown.qwen2.5-1.5b.bf16.ppl": 10.0, "quality.brown.qwen2.5-1.5b.temporalkv-2bit.ppl": 11.0,
+            "quality.brown.qwen2.5-1.5b.temporalkv-2bit.bits_per_float": 2.05}
+    alone, both = bench_call(RENDER, json.dumps(smol)), bench_call(RENDER, json.dumps({**smol, **qwen}))
+    lines = both.splitlines()
+    assert all(ln in lines for ln in alone.splitlines())  # SmolLM2's tables as they were
+    assert "**Perplexity, brown, qwen2.5-1.5b**" in both and "benchmarks/results/quality-qwen2.5-1.5b.md" in both
+    assert "| 16 (bf16) | 10.00 |" in both and "benchmarks/results/quality-qwen2.5-1.5b_pareto.png" in both
+    pareto = [ln for ln in both.splitlines() if ln.startswith("| temporalkv-2bit |")]
+    assert pareto == ["| temporalkv-2bit | 2.08 | 40.50 | 1.27 |", "| temporalkv-2bit | 2.05 | 11.00 | 1.10 |"]
+    assert "qwen2.5-1.5b.temporalkv-2bit" not in both  # never a row of the default model's tables
+
+
+def test_quality_model_tag():
+    """SmolLM2 keeps its keys and files (no model part); Qwen's are quality-qwen2.5-1.5b.*, other models' the
+    folder / GGUF name."""
+    code = ("import json, sys\nfrom benchmarks.quality import model_tag\n"
+            "print(json.dumps([model_tag(m or None) for m in sys.argv[1:]]))")
+    assert bench_call(code, "", "smollm2", "qwen2.5-coder-1.5b", "/x/My Model.gguf", "/m/llama-3.1-8b/") == [
+        "", "", "qwen2.5-1.5b", "my-model", "llama-3.1-8b"]
