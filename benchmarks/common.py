@@ -93,11 +93,11 @@ def model_dtype(requested: str | None) -> str:
     picks for this machine (float32 on a CPU without bf16 units: ~4x faster there), else bfloat16."""
     if requested:
         return requested
-    import torch
-
     from vllm_temporalkv.cpu_tuning import default_dtype
 
-    return (None if torch.cuda.is_available() else default_dtype()) or "bfloat16"
+    from vllm_temporalkv.accel import has_cuda
+
+    return (None if has_cuda() else default_dtype()) or "bfloat16"
 
 
 # ---- command-line conventions ------------------------------------------------------------------------

@@ -79,8 +79,11 @@ oracle)  # issue 31: the parts of benchmarks/gpu/carry.sh (all but the last adde
   python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" | tee -a $OUT/gpu.txt
   model=$(python3 -c "from pathlib import Path; from vllm_temporalkv.models import convert_gguf
 print(convert_gguf(Path('/root/carry/smollm2.gguf')))" 2>$OUT/convert.log | tail -1) || exit 1
+  # ORACLE_ARGS picks engines (e.g. --formats auto temporalkv-2bit --paths default torch); on the H100 an engine took
+  # 26 s (auto), 63-73 s (temporalkv-2bit CUDA / Triton, kernels compiled by the first), the torch path > 128 s.
+  # The report is rewritten after every engine: what ran survives the timeout (merge sessions with --rescore).
   timeout ${ORACLE_S:-420} python3 -m benchmarks.gpu.oracle_match --check benchmarks/gpu/smollm2-reference.json \
-    --model "$model" --artifact /root/carry/calibration.safetensors --out $OUT/oracle 2>&1 | tee $OUT/oracle.log ;;
+    --model "$model" --artifact /root/carry/calibration.safetensors --out $OUT/oracle ${ORACLE_ARGS:-} 2>&1 | tee $OUT/oracle.log ;;
 vllm)
   if [ ! -d /root/vllm-site/vllm ]; then  # not yet installed by the oracle stage on this (warm) box
     add_part "$parts" && bash "$parts"/on-device.sh install "${3:?sha256}" 2>&1 | tail -3 || exit 1

@@ -22,6 +22,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -87,29 +88,51 @@ def launch(model_dir: str, fmt: str, path: str, artifact: str | None, ids_file: 
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", **PATHS[path])
     if not gpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    # the engine's process is told it is on a GPU rather than asking torch: torch.cuda.is_available() would make
+    # vLLM's fork of its engine core fail ("Cannot re-initialize CUDA in forked subprocess"; vllm_temporalkv.accel)
     cmd = [sys.executable, "-m", "benchmarks.gpu.oracle_match", "--one", fmt, "--model", model_dir,
-           "--ids", str(ids_file), "--json", str(out)] + (["--artifact", artifact] if artifact else [])
+           "--ids", str(ids_file), "--json", str(out)] + (["--artifact", artifact] if artifact else []) + \
+        (["--gpu"] if gpu else [])
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if r.returncode or not out.is_file():
-        return dict(format=fmt, path=path, error=(r.stderr or r.stdout)[-3000:])
+        text = r.stderr or r.stdout
+        return dict(format=fmt, path=path, error=text[-3000:], cause=error_cause(text))
     rec = json.loads(out.read_text())
     rec["path"] = path
     return rec
 
 
+def error_cause(text: str) -> list[str]:
+    """The distinct exception lines of a failed engine, in order: vLLM's engine core logs its root cause long
+    before the launcher's own traceback, which is all a tail of stderr shows."""
+    seen: list[str] = []
+    for line in text.splitlines():
+        m = re.search(r"\b([A-Za-z_.]*(?:Error|Exception)): (.*)", line)
+        if m and (c := f"{m.group(1)}: {m.group(2).strip()}"[:400]) not in seen:
+            seen.append(c)
+    return seen[-6:]
+
+
 def compare(a: dict, b: dict) -> dict:
-    """First-token top-1 agreement, the largest top-5 logprob difference (tokens in both top-5s) and the greedy
-    prefix both share, per prompt."""
+    """Per prompt: first-token top-1 agreement, the largest top-5 logprob difference of the first token (tokens in
+    both top-5s; the first token is the prefill's), the greedy prefix both share, and the largest difference over the
+    decode steps inside that prefix (the same context on both sides: what tells two decode kernels apart)."""
     rows = []
+
+    def dmax(la, lb):
+        return max((abs(la[t] - lb[t]) for t in set(la) & set(lb)), default=float("inf"))
+
     for pa, pb in zip(a["prompts"], b["prompts"]):
         la, lb = pa["logprobs"][0], pb["logprobs"][0]
-        common = set(la) & set(lb)
         prefix = next((i for i, (x, y) in enumerate(zip(pa["tokens"], pb["tokens"])) if x != y), len(pa["tokens"]))
-        rows.append(dict(top1_equal=max(la, key=la.get) == max(lb, key=lb.get),
-                         max_dlogprob=max((abs(la[t] - lb[t]) for t in common), default=float("inf")),
-                         common_top5=len(common), greedy_prefix=prefix))
+        # step i's logprobs condition on tokens < i: steps 1..prefix see the same context on both sides
+        steps = [dmax(x, y) for x, y in list(zip(pa["logprobs"], pb["logprobs"]))[1:prefix + 1]]
+        rows.append(dict(top1_equal=max(la, key=la.get) == max(lb, key=lb.get), max_dlogprob=dmax(la, lb),
+                         common_top5=len(set(la) & set(lb)), greedy_prefix=prefix,
+                         decode_steps=len(steps), decode_max_dlogprob=max(steps, default=0.0)))
     return dict(top1_equal=all(r["top1_equal"] for r in rows), max_dlogprob=max(r["max_dlogprob"] for r in rows),
-                min_greedy_prefix=min(r["greedy_prefix"] for r in rows), prompts=rows)
+                min_greedy_prefix=min(r["greedy_prefix"] for r in rows),
+                decode_max_dlogprob=max(r["decode_max_dlogprob"] for r in rows), prompts=rows)
 
 
 def reference(a) -> int:
@@ -156,7 +179,8 @@ def check(a) -> int:
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)  # per-engine files: the box returns at most 8 files, the report holds all
-    rep = dict(reference=a.check, model=a.model, weights_sha256=weights_hash(a.model), tol=a.tol, runs={}, checks=[])
+    rep = dict(reference=a.check, model=a.model, weights_sha256=weights_hash(a.model), tol=a.tol, gpu=gpu_name(),
+               runs={}, checks=[])
     if rep["weights_sha256"] != ref["weights_sha256"]:
         rep["error"] = "the model's dequantized weights differ from the reference's: not the same model"
     elif not a.artifact or file_hash(a.artifact) != ref.get("artifact_sha256"):
@@ -167,47 +191,141 @@ def check(a) -> int:
         return 1
     (work / "ids.json").write_text(json.dumps(ref["prompt_ids"]))
     formats = [f for f in a.formats if f"{f}/default" in ref["runs"]]
+    rep["formats"] = formats
     for fmt in formats:
-        for path in GPU_PATHS.get(fmt, ("default", "torch")):
+        for path in a.paths or GPU_PATHS.get(fmt, ("default", "torch")):
+            if fmt == "auto" and path != "default":
+                continue
             print(f"GPU {fmt} {path} ...", flush=True)
             rep["runs"][f"{fmt}/{path}"] = launch(a.model, fmt, path, a.artifact, work / "ids.json",
                                                   work / f"{fmt}-{path}.json", True, a.timeout)
-            (out / "oracle_match.json").write_text(json.dumps(rep, indent=1))
-    ok = True
-    control = None
-    if "error" not in rep["runs"].get("auto/default", {"error": 1}):
-        control = compare(rep["runs"]["auto/default"], ref["runs"]["auto/default"])
+            (out / "oracle_match.json").write_text(json.dumps(rep, indent=1))  # what ran survives a timeout
+    return report(rep, ref, out, a.tol, headline=False)
+
+
+def gpu_name() -> str | None:
+    try:  # nvidia-smi, not torch: this process only launches the engines (see launch)
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+def score(rep: dict, ref: dict, tol: float) -> bool:
+    """The comparisons, from the runs a report holds (rep["checks"] rewritten); a run that failed or never ran
+    fails the checks that need it.  (1) each GPU path against the GPU torch path (same platform, same model math:
+    only the attention kernels differ): first-token top-1 on every prompt, top-5 logprobs within tol; (2) the two
+    GPU decode kernels (CUDA = default, Triton) against each other, the same way; (3) the GPU's default path against
+    the CPU reference, within max(tol, 2 x auto's own GPU-vs-CPU difference in the same run)."""
+    runs, rep["checks"] = rep["runs"], []
+    not_run = {"error": "not run"}
+    ok, control = True, None
+    if "error" not in runs.get("auto/default", not_run):
+        control = compare(runs["auto/default"], ref["runs"]["auto/default"])
         rep["checks"].append(dict(what="auto: GPU vs CPU (the platforms' control)", **control))
-    for fmt in formats:
+
+    def pair(what, x, y, bound, top1_needed=True):
+        nonlocal ok
+        if "error" in x or "error" in y:
+            why = x.get("error") or y.get("error")
+            rep["checks"].append(dict(what=what, ok=False, error=why if why == "not run" else "a run failed"))
+            ok = False
+            return
+        c = compare(x, y)
+        c["ok"] = c["max_dlogprob"] <= bound and (c["top1_equal"] or not top1_needed)
+        rep["checks"].append(dict(what=what, bound=round(bound, 4), **c))
+        ok &= c["ok"]
+
+    for fmt in rep.get("formats") or sorted({k.split("/")[0] for k in runs}):
         if fmt == "auto":
             continue
-        paths = GPU_PATHS.get(fmt, ("default", "torch"))
-        runs = {p: rep["runs"].get(f"{fmt}/{p}", {"error": "not run"}) for p in paths}
-        for p in [p for p in paths if p != "torch"]:
-            if "error" in runs[p] or "error" in runs["torch"]:
-                rep["checks"].append(dict(what=f"{fmt}: GPU {p} vs GPU torch", ok=False, error="a run failed"))
-                ok = False
-                continue
-            c = compare(runs[p], runs["torch"])
-            c["ok"] = c["top1_equal"] and c["max_dlogprob"] <= a.tol
-            rep["checks"].append(dict(what=f"{fmt}: GPU {p} vs GPU torch", **c))
-            ok &= c["ok"]
-        if "error" in runs["default"]:
-            rep["checks"].append(dict(what=f"{fmt}: GPU default", ok=False, error=runs["default"]["error"][-500:]))
+        got = {k.split("/")[1]: v for k, v in runs.items() if k.split("/")[0] == fmt}
+        paths = [p for p in GPU_PATHS.get(fmt, ("default", "torch")) if p != "torch"]
+        for p in paths:
+            pair(f"{fmt}: GPU {p} vs GPU torch", got.get(p, not_run), got.get("torch", not_run), tol)
+        if "default" in paths and "triton" in paths:
+            pair(f"{fmt}: GPU default (CUDA decode) vs GPU triton", got.get("default", not_run),
+                 got.get("triton", not_run), tol)
+        cpu = ref["runs"].get(f"{fmt}/default", not_run)
+        if control is None:
+            rep["checks"].append(dict(what=f"{fmt}: GPU default vs CPU reference", ok=False,
+                                      error="auto's control did not run"))
             ok = False
-        elif control is not None and "error" not in ref["runs"][f"{fmt}/default"]:
-            c = compare(runs["default"], ref["runs"][f"{fmt}/default"])
-            bound = max(a.tol, 2 * control["max_dlogprob"])
-            c["ok"] = c["max_dlogprob"] <= bound and (c["top1_equal"] or not control["top1_equal"])
-            rep["checks"].append(dict(what=f"{fmt}: GPU default vs CPU reference (bound {bound:.3f})", **c))
-            ok &= c["ok"]
+        elif "error" not in cpu:
+            pair(f"{fmt}: GPU default vs CPU reference", got.get("default", not_run), cpu,
+                 max(tol, 2 * control["max_dlogprob"]), top1_needed=control["top1_equal"])
     rep["ok"] = bool(ok)
+    return rep["ok"]
+
+
+def headline_figures(rep: dict) -> dict[str, float]:
+    """`gpu_oracle.smollm2.<format>.<metric>`: each format's agreement with the CPU reference and between paths."""
+    fig = {}
+    for c in rep["checks"]:
+        if "error" in c:
+            continue
+        fmt, what = c["what"].split(": ", 1)
+        key = {"GPU vs CPU (the platforms' control)": "vs_cpu", "GPU default vs CPU reference": "vs_cpu",
+               "GPU default vs GPU torch": "cuda_vs_gpu_torch", "GPU triton vs GPU torch": "triton_vs_gpu_torch",
+               "GPU default (CUDA decode) vs GPU triton": "cuda_vs_triton"}.get(what)
+        if key:
+            base = f"gpu_oracle.smollm2.{fmt}.{key}"
+            fig[f"{base}_max_dlogprob"] = c["max_dlogprob"]
+            fig[f"{base}_top1_agree"] = sum(r["top1_equal"] for r in c["prompts"]) / len(c["prompts"])
+            fig[f"{base}_min_greedy_prefix"] = c["min_greedy_prefix"]
+            fig[f"{base}_decode_max_dlogprob"] = c["decode_max_dlogprob"]
+    return fig
+
+
+def report(rep: dict, ref: dict, out: Path, tol: float, headline: bool) -> int:
+    """Score, write oracle_match.json + .md into out (and the headline when out is benchmarks/results)."""
+    ok = score(rep, ref, tol)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "oracle_match.json").write_text(json.dumps(rep, indent=1))
+    lines = [f"# SmolLM2-135M's real weights: vLLM on a GPU ({rep.get('gpu') or 'GPU not recorded'}) vs the CPU "
+             f"oracle\n", f"Reference: `{rep['reference']}`; tolerance {tol} nats (first-token top-5 logprobs); "
+             f"{MAX_TOKENS} greedy tokens after {N_PROMPTS} prompts of {PROMPT_TOKENS} tokens.\n",
+             "| engine | seconds | error |", "|---|---|---|"]
+    for k, v in rep["runs"].items():
+        err = ("; ".join(v.get("cause") or []) or v["error"][-200:]) if "error" in v else ""
+        lines.append(f"| {k} | {v.get('seconds', '')} | {err} |".replace("\n", " "))
+    lines += ["", "| check | top-1 equal (prompts) | max abs dlogprob, first token | bound | greedy prefix (min of 32) "
+              "| max abs dlogprob, decode steps in the shared prefix | ok |", "|---|---|---|---|---|---|---|"]
+    for c in rep["checks"]:
+        if "error" in c:
+            lines.append(f"| {c['what']} | | | | | | FAIL: {c['error']} |")
+            continue
+        agree = sum(r["top1_equal"] for r in c["prompts"])
+        lines.append(f"| {c['what']} | {agree}/{len(c['prompts'])} | {c['max_dlogprob']:.4f} | {c.get('bound', '')} "
+                     f"| {c['min_greedy_prefix']} | {c['decode_max_dlogprob']:.4f} | {'' if c.get('ok', True) else 'FAIL'} |")
+    (out / "oracle_match.md").write_text("\n".join(lines) + "\n")
+    if headline:
+        from benchmarks.common import merge_headline
+
+        merge_headline(headline_figures(rep))
     for c in rep["checks"]:
         print(f"{c['what']}: top1 {c.get('top1_equal')}, max |dlogprob| {c.get('max_dlogprob', float('nan')):.4f}, "
               f"greedy prefix >= {c.get('min_greedy_prefix')} of {MAX_TOKENS}{'' if c.get('ok', True) else '  FAIL'}")
     print("OK" if ok else "CHECK FAILED")
     return 0 if ok else 1
+
+
+def rescore(a) -> int:
+    """Reports the box returned (a run may be cut short by its time limit), scored again here: the committed
+    results.  Several reports merge, a later one's runs replacing an earlier one's (device time is 15 minutes a
+    session: the engines one session missed can run in the next; each session reruns auto, the platforms' control)."""
+    from benchmarks.common import RESULTS, is_results
+
+    reports = [json.loads(Path(f).read_text()) for f in a.rescore]
+    rep = dict(reports[0], runs={}, sources=list(a.rescore))
+    for r in reports:
+        rep["runs"].update(r["runs"])
+        rep["formats"] = list(dict.fromkeys((rep.get("formats") or []) + (r.get("formats") or [])))
+    ref = json.loads(Path(a.check or rep["reference"]).read_text())
+    if a.gpu_name:
+        rep["gpu"] = a.gpu_name
+    out = Path(a.out or RESULTS / "gpu-oracle")
+    return report(rep, ref, out, a.tol, headline=is_results(out.parent) and not a.no_headline)
 
 
 def main(argv=None) -> int:
@@ -216,6 +334,9 @@ def main(argv=None) -> int:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--reference", metavar="REF.json", help="here: run the CPU configurations, write the reference")
     g.add_argument("--check", metavar="REF.json", help="on a GPU: run the GPU configurations, compare")
+    g.add_argument("--rescore", metavar="REPORT.json", nargs="+",
+                   help="here: score a report the box returned again and write it (default benchmarks/results/"
+                        "gpu-oracle; --check names the reference when the report's path is not valid here)")
     g.add_argument("--one", metavar="FORMAT", help=argparse.SUPPRESS)  # one engine (a subprocess of the above)
     p.add_argument("--model", default=None, help="model folder (reference: an embedded name too; default smollm2)")
     p.add_argument("--artifact", default=None,
@@ -223,19 +344,25 @@ def main(argv=None) -> int:
     p.add_argument("--formats", nargs="+", default=FORMATS)
     p.add_argument("--out", default=None, help="results folder (reference: its work folder)")
     p.add_argument("--work", default="/tmp/oracle-work", help="per-engine files (check)")
+    p.add_argument("--reference-json", dest="ref_json", help="--rescore: the reference (default: the report's)")
+    p.add_argument("--paths", nargs="+", choices=sorted(PATHS), help="check: only these attention paths")
+    p.add_argument("--gpu-name", help="--rescore: the card, when the report does not name it")
+    p.add_argument("--no-headline", action="store_true", help="--rescore: do not merge into headline.json")
+    p.add_argument("--gpu", action="store_true", help=argparse.SUPPRESS)  # --one: the engine runs on a GPU
     p.add_argument("--tol", type=float, default=0.1, help="largest first-token top-5 logprob difference, nats")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--ids", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.one:
-        import torch
-
-        rec = run_one(a.model, a.one, a.artifact, json.loads(Path(a.ids).read_text()), torch.cuda.is_available())
+        rec = run_one(a.model, a.one, a.artifact, json.loads(Path(a.ids).read_text()), a.gpu)
         Path(a.json).write_text(json.dumps(rec))
         return 0
     if a.reference:
         return reference(a)
+    if a.rescore:
+        a.check = a.ref_json
+        return rescore(a)
     if not a.model or not a.out:
         p.error("--check needs --model DIR and --out DIR")
     return check(a)

@@ -133,9 +133,9 @@ def run_first_use(plan, decision: Decision) -> float:
     from ..calibration import codebook_keys
     from ..calibration.run import extend_artifact, run_calibration
 
-    import torch
+    from ..accel import has_cuda
 
-    cuda = torch.cuda.is_available()
+    cuda = has_cuda()  # NVML: `vllm serve` runs in this process next and forks its engine core
     t0 = time.time()
     if decision.action == "calibrate":
         z = plan.size

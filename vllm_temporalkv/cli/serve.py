@@ -187,10 +187,10 @@ def plan_serve(args: list[str], *, parser=None, environ=None, cuda: bool | None 
     else:
         p = Path(model).expanduser()
         plan.model_dir = p if p.is_dir() else None
-    if cuda is None:
-        import torch
+    if cuda is None:  # asked through NVML: `vllm serve` runs in this process and forks its engine core
+        from ..accel import has_cuda
 
-        cuda = torch.cuda.is_available()
+        cuda = has_cuda()
     if not cuda and "VLLM_CPU_KVCACHE_SPACE" not in environ and ns.kv_cache_memory_bytes is None:
         # vLLM's CPU default asks for most of the machine's memory and refuses to start when other
         # processes hold some of it

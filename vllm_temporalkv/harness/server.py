@@ -37,11 +37,10 @@ def set_target_device(env: dict) -> dict:
     name it where there is no CUDA GPU, and leave a GPU machine alone.  On the CPU also what
     ``vllm-temporalkv serve`` sets on a small machine (the worker on every CPU; cpu_tuning.py), so
     tests and benchmarks serve every format as users get it."""
-    import torch
-
+    from vllm_temporalkv.accel import has_cuda
     from vllm_temporalkv.cpu_tuning import serving_env
 
-    if not torch.cuda.is_available():
+    if not has_cuda():
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         for k, v in serving_env(env).items():
             env.setdefault(k, v)

