@@ -12,6 +12,7 @@ from pathlib import Path
 from vllm_temporalkv.formats import FORMATS
 
 from .common import HEADLINE
+from .retrieval.report import results_stem
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -126,13 +127,14 @@ def capacity_table(h: dict) -> list[str]:
 
 
 def retrieval_table(h: dict) -> list[str]:
-    rows = _grouped(h, r"retrieval\.([^.]+)\.(.+)\.((?:avg_accuracy(?:_4k_8k)?|ratio_vs_auto_4k_8k)(?:_ci_low|_ci_high)?"
+    # the model's name may hold dots (qwen2.5-1.5b), a format never does
+    rows = _grouped(h, r"retrieval\.(.+)\.([^.]+)\.((?:avg_accuracy(?:_4k_8k)?|ratio_vs_auto_4k_8k)(?:_ci_low|_ci_high)?"
                        r"|samples)")
     out = []
     for name, r in sorted(rows.items()):
-        base = r.get("auto", {})
+        base, stem = r.get("auto", {}), results_stem(name)
         out += [f"**Long-context retrieval through the server, {name}** (RULER-style tasks, accuracy 0-1; details, "
-                f"paired comparisons and the command in [benchmarks/results/retrieval.md](benchmarks/results/retrieval.md); "
+                f"paired comparisons and the command in [benchmarks/results/{stem}.md](benchmarks/results/{stem}.md); "
                 f"brackets: 95% bootstrap intervals over the prompts; prompts: samples per task and length; the ratio "
                 f"is paired with auto on the prompts both answered)", "",
                 "| --kv-cache-dtype | prompts | average | 4k-8k | 4k-8k ÷ auto |", "|---|---|---|---|---|"]

@@ -237,6 +237,11 @@ def test_intervals_are_paired_bootstrap(tmp_path):
     assert z["avg_ci"] == [0.0, 0.0] and z["long_diff_ci"][1] < 0
     md = (tmp_path / "retrieval.md").read_text()
     assert "| same |" in md and "[1.00, 1.00]" in md
+    # a second model's suite keeps its own files beside the default model's (--name picks them)
+    (tmp_path / "retrieval-m2.json").write_text(json.dumps(dict(rep, settings=dict(settings, name="m2"))))
+    run_bench("benchmarks.retrieval", "--rerender", "--name", "m2", "--out", tmp_path)
+    assert (tmp_path / "retrieval-m2.md").is_file() and (tmp_path / "retrieval-m2.png").is_file()
+    assert (tmp_path / "retrieval.md").read_text() == md
 
 
 def test_needle_probe_finds_the_needle(tok, suites, smollm2_dir, tiny_artifact, tmp_path):

@@ -16,7 +16,7 @@ share of its reference strings found in the greedy answer (RULER's string match)
 
 The suite only talks to an OpenAI-compatible /v1/completions endpoint, so it scores any server (--url).
 The runner starts `vllm serve` (python -m vllm.entrypoints.openai.api_server) once per --kv-cache-dtype
-in turn (``<format>-o1``: with 1% outliers; ``<format>@windowN``: with a recent window of N half-precision tokens). Results: retrieval.json / .md / .png in --out; with the default --out the headline figures
+in turn (``<format>-o1``: with 1% outliers; ``<format>@windowN``: with a recent window of N half-precision tokens). Results: retrieval.json / .md / .png in --out (retrieval-<name>.* for a --name other than smollm2); with the default --out the headline figures
 ``retrieval.<name>.<format>.avg_accuracy`` (mean over tasks and lengths, 0-1) are merged into
 benchmarks/results/headline.json.
 """
@@ -32,7 +32,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..common import add_dtype_arg, add_out_arg, model_dtype, run_record, write_json
-from .report import report
+from .report import report, results_stem
 from .runner import CHECKPOINT_S, artifact_digest, reusable, run_suite, serve_and_score
 from .stats import samples_per_cell, summarize
 from .suite import LENGTHS, TASKS, SuiteBuilder, record_key
@@ -73,7 +73,8 @@ def main(argv=None):
                    "and headline from --out/retrieval.json (no server)")
     args = p.parse_args(argv)
     if args.rerender:
-        return report(json.loads((Path(args.out) / "retrieval.json").read_text()), Path(args.out))
+        stem = results_stem(args.name)
+        return report(json.loads((Path(args.out) / f"{stem}.json").read_text()), Path(args.out), stem)
 
     from vllm_temporalkv.models import load_tokenizer, resolve_model
 
@@ -87,8 +88,9 @@ def main(argv=None):
                 "dtype": args.dtype}
     out = Path(args.out)
     results, partial = {}, {}
-    if args.resume and (out / "retrieval.json").is_file():  # keep what an earlier run with the same suite scored
-        prev = json.loads((out / "retrieval.json").read_text())
+    saved = out / f"{results_stem(args.name)}.json"
+    if args.resume and saved.is_file():  # keep what an earlier run with the same suite scored
+        prev = json.loads(saved.read_text())
         # runs before --dtype existed served bfloat16; the sample count may differ (records are matched one by one)
         same = (all(prev["settings"].get(k) == settings[k] for k in ("tasks", "lengths", "seed"))
                 and prev["settings"].get("dtype", "bfloat16") == settings["dtype"])
@@ -101,7 +103,7 @@ def main(argv=None):
             print("not resuming: the earlier run had other tasks, lengths, seed or dtype")
 
     def save():
-        write_json(out / "retrieval.json", {"settings": settings, "formats": results, "run": run_record(),
+        write_json(saved, {"settings": settings, "formats": results, "run": run_record(),
                                             **({"partial": partial} if partial else {})})
 
     if args.url:
@@ -156,4 +158,4 @@ def main(argv=None):
                                         f"avg {r['avg_accuracy']:.3f} per length {r['per_length']}"))
             save()
     return report({"settings": settings, "formats": results, "run": run_record(),
-                   **({"partial": partial} if partial else {})}, out)
+                   **({"partial": partial} if partial else {})}, out, saved.stem)

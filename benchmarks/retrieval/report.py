@@ -95,8 +95,14 @@ def plot(rep: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def report(rep: dict, out: Path) -> dict:
-    """Averages, intervals, retrieval.{json,md,png}; the headline when --out is the results folder."""
+def results_stem(name: str) -> str:
+    """The results files' stem: `retrieval` for the default model (smollm2), `retrieval-<name>` for another, so
+    that each model's suite keeps its own files (and --resume) in one --out."""
+    return "retrieval" if name == "smollm2" else f"retrieval-{name}"
+
+
+def report(rep: dict, out: Path, stem: str = "retrieval") -> dict:
+    """Averages, intervals, <stem>.{json,md,png}; the headline when --out is the results folder."""
     st, results = rep["settings"], rep["formats"]
     long = [str(n) for n in st["lengths"] if n >= 4096]
     for r in results.values():
@@ -104,9 +110,9 @@ def report(rep: dict, out: Path) -> dict:
             r["long_avg"] = sum(r["per_length"][n] for n in long) / len(long) if long else None
             r["samples"] = samples_per_cell(r["records"])
     intervals(results, st["lengths"])
-    write_json(out / "retrieval.json", rep)
-    write_markdown(rep, out / "retrieval.md")
-    plot(rep, out / "retrieval.png")
+    write_json(out / f"{stem}.json", rep)
+    write_markdown(rep, out / f"{stem}.md")
+    plot(rep, out / f"{stem}.png")
     if is_results(out):
         figs = {}
         for f, r in results.items():
@@ -125,5 +131,5 @@ def report(rep: dict, out: Path) -> dict:
                     if "long_ratio_ci" in r:
                         figs[p + "ratio_vs_auto_4k_8k_ci_low"], figs[p + "ratio_vs_auto_4k_8k_ci_high"] = r["long_ratio_ci"]
         merge_headline(figs, HEADLINE)
-    print((out / "retrieval.md").read_text())
+    print((out / f"{stem}.md").read_text())
     return rep
