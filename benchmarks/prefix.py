@@ -26,11 +26,10 @@ import os
 import re
 import statistics
 import time
-import urllib.request
 from pathlib import Path
 
 from vllm_temporalkv.formats import FORMATS
-from vllm_temporalkv.harness.server import ServerFailed, VLLMServer
+from vllm_temporalkv.harness.server import ServerFailed, VLLMServer, scrape_metrics
 
 from . import common
 
@@ -54,22 +53,6 @@ def parse_config(name: str) -> tuple[str, list[str]]:
     if mod == "small":
         return fmt, ["--additional-config", json.dumps({"temporalkv_small_pages": True})]
     raise SystemExit(f"--configs {name!r}: expected FORMAT, FORMAT@blockN or FORMAT@small")
-
-
-def scrape(port: int) -> tuple[dict[str, float], dict[str, str]]:
-    """vLLM's counters summed over label sets, and the labels of its cache_config_info gauge (block_size, ...)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    values: dict[str, float] = {}
-    info: dict[str, str] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name_labels, value = line.rsplit(" ", 1)
-        name = name_labels.split("{", 1)[0]
-        values[name] = values.get(name, 0.0) + float(value)
-        if name == "vllm:cache_config_info":
-            info = dict(re.findall(r'(\w+)="([^"]*)"', name_labels))
-    return values, info
 
 
 def prompts(model: str, prefix_lens: list[int], n: int, q_tokens: int) -> tuple[list[int], dict[int, list[list[int]]]]:
@@ -125,16 +108,16 @@ def run_config(a, name: str, workload: dict[int, list[list[int]]], warm: list[in
         rec["start_s"] = round(time.time() - t0, 1)
         rec["kv_capacity_tokens"] = s.kv_capacity_tokens()
         rec["warmup"] = ask(s.url, warm, a.max_tokens)
-        _, info = scrape(s.port)
+        _, info = scrape_metrics(s.port)
         rec["block_size"] = int(info["block_size"]) if info.get("block_size", "").isdigit() else None
         bs = rec["block_size"] or 1
         rec["prefixes"] = {}
         for P, reqs in workload.items():
-            m0, _ = scrape(s.port)
+            m0, _ = scrape_metrics(s.port)
             t1 = time.perf_counter()
             done = [ask(s.url, p, a.max_tokens) for p in reqs]
             wall = time.perf_counter() - t1
-            m1, _ = scrape(s.port)
+            m1, _ = scrape_metrics(s.port)
             q = m1.get("vllm:prefix_cache_queries_total", 0) - m0.get("vllm:prefix_cache_queries_total", 0)
             h = m1.get("vllm:prefix_cache_hits_total", 0) - m0.get("vllm:prefix_cache_hits_total", 0)
             # the most whole pages could give: after the first request, every full page of the shared prefix (vLLM

@@ -174,6 +174,71 @@ def reference(a) -> int:
     return 1 if bad else 0
 
 
+def perturbed_copy(model_dir: str, rel: float, seed: int, dest: Path) -> Path:
+    """The model with every matrix but the embedding scaled by (1 + rel * N(0, 1)) per weight, rounded back to its
+    dtype: a stand-in, on one machine, for what another platform's arithmetic does to the activations."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(model_dir, dest)
+    g = torch.Generator().manual_seed(seed)
+    for f in sorted(dest.glob("*.safetensors")):
+        w = load_file(str(f))
+        for k, t in w.items():
+            if t.dim() == 2 and "embed" not in k:
+                w[k] = (t.float() * (1 + rel * torch.randn(t.shape, generator=g))).to(t.dtype)
+        save_file(w, str(f), metadata={"format": "pt"})
+    return dest
+
+
+def sensitivity(a) -> int:
+    """How far do platform-sized perturbations move each format's logprobs, here on the CPU? The oracle check
+    compares a GPU with this CPU through a quantizer: a nearest-centroid choice flips on a near tie, so a
+    compressed cache can amplify the platforms' rounding differences where a bf16 cache does not."""
+    from benchmarks.common import run_record, write_json
+    from vllm_temporalkv.models import resolve_model
+
+    ref = json.loads(Path(a.reference_for).read_text())
+    model = str(resolve_model(a.model))
+    artifact = a.artifact or "runs/oracle/calibration.safetensors"
+    if weights_hash(model) != ref["weights_sha256"] or file_hash(artifact) != ref["artifact_sha256"]:
+        print("the model or the calibration is not the reference's")
+        return 1
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "ids.json").write_text(json.dumps(ref["prompt_ids"]))
+    formats = [f for f in a.formats if f"{f}/default" in ref["runs"]]
+    rows = []
+    for rel in a.sensitivity:
+        for seed in a.seeds:
+            m = perturbed_copy(model, rel, seed, work / f"perturbed-{rel}-{seed}")
+            for fmt in formats:
+                print(f"CPU {fmt}, weights x (1 + {rel} N(0,1)), seed {seed} ...", flush=True)
+                run = launch(str(m), fmt, "default", artifact, work / "ids.json", work / f"{fmt}-{rel}-{seed}.json",
+                             False, a.timeout)
+                row = dict(rel=rel, seed=seed, format=fmt, seconds=run.get("seconds"))
+                row.update({"error": run["error"][-500:]} if "error" in run else
+                           {k: v for k, v in compare(run, ref["runs"][f"{fmt}/default"]).items() if k != "prompts"})
+                rows.append(row)
+    out = Path(a.out or "benchmarks/results/gpu-oracle")
+    write_json(out / "sensitivity.json", dict(reference=a.reference_for, rows=rows, run=run_record()))
+    lines = ["# How far platform-sized perturbations move the logprobs (CPU, SmolLM2-135M, vLLM CPU)\n",
+             "Every weight matrix but the embedding scaled by (1 + rel x N(0,1)) per weight, then the oracle's prompts "
+             "and comparison (`benchmarks/gpu/oracle_match.py`) against the unperturbed CPU reference.\n",
+             "| rel | seed | format | first-token top-1 equal | max abs dlogprob, first token | greedy prefix (min of 32) "
+             "| max abs dlogprob, decode steps in the shared prefix |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['rel']} | {r['seed']} | {r['format']} | " + (f"error: {r['error'][-120:]} | | | |" if "error" in r else
+                     f"{r['top1_equal']} | {r['max_dlogprob']:.3f} | {r['min_greedy_prefix']} | {r['decode_max_dlogprob']:.3f} |"))
+    (out / "sensitivity.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 1 if any("error" in r for r in rows) else 0
+
+
 def check(a) -> int:
     ref = json.loads(Path(a.check).read_text())
     out, work = Path(a.out), Path(a.work)
@@ -337,6 +402,9 @@ def main(argv=None) -> int:
     g.add_argument("--rescore", metavar="REPORT.json", nargs="+",
                    help="here: score a report the box returned again and write it (default benchmarks/results/"
                         "gpu-oracle; --check names the reference when the report's path is not valid here)")
+    g.add_argument("--sensitivity", metavar="REL", nargs="+", type=float,
+                   help="here: perturb the weights by these relative sizes and compare with --reference-json's runs "
+                        "(sensitivity.json/.md in --out, default benchmarks/results/gpu-oracle)")
     g.add_argument("--one", metavar="FORMAT", help=argparse.SUPPRESS)  # one engine (a subprocess of the above)
     p.add_argument("--model", default=None, help="model folder (reference: an embedded name too; default smollm2)")
     p.add_argument("--artifact", default=None,
@@ -345,6 +413,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="results folder (reference: its work folder)")
     p.add_argument("--work", default="/tmp/oracle-work", help="per-engine files (check)")
     p.add_argument("--reference-json", dest="ref_json", help="--rescore: the reference (default: the report's)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0], help="--sensitivity: perturbation seeds")
     p.add_argument("--paths", nargs="+", choices=sorted(PATHS), help="check: only these attention paths")
     p.add_argument("--gpu-name", help="--rescore: the card, when the report does not name it")
     p.add_argument("--no-headline", action="store_true", help="--rescore: do not merge into headline.json")
@@ -363,6 +432,10 @@ def main(argv=None) -> int:
     if a.rescore:
         a.check = a.ref_json
         return rescore(a)
+    if a.sensitivity:
+        a.reference_for = a.ref_json or "benchmarks/gpu/smollm2-reference.json"
+        a.work = a.work if a.work != "/tmp/oracle-work" else "/tmp/oracle-sensitivity"
+        return sensitivity(a)
     if not a.model or not a.out:
         p.error("--check needs --model DIR and --out DIR")
     return check(a)

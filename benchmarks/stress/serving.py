@@ -5,28 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.request
 from pathlib import Path
 
 from vllm_temporalkv.formats import FORMATS
-from vllm_temporalkv.harness.server import VLLMServer
+from vllm_temporalkv.harness.server import VLLMServer, scrape_metrics
 
 from .. import common
 from .client import MODEL, PAGE
 
 def metrics(port: int) -> dict[str, float]:
-    """vLLM's Prometheus gauges and counters, summed over label sets."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name_labels, value = line.rsplit(" ", 1)
-        name = name_labels.split("{", 1)[0]
-        if "finished_reason=" in name_labels:
-            name += "." + name_labels.split('finished_reason="', 1)[1].split('"', 1)[0]
-        out[name] = out.get(name, 0.0) + float(value)
-    return out
+    """vLLM's Prometheus gauges and counters, summed over label sets (harness.server.scrape_metrics)."""
+    return scrape_metrics(port)[0]
 
 
 def rss_mib(pid: int) -> float:

@@ -26,6 +26,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def scrape_metrics(port: int) -> tuple[dict[str, float], dict[str, str]]:
+    """A server's Prometheus /metrics: vLLM's gauges and counters summed over label sets (a finished_reason label
+    kept as a suffix: ``vllm:request_success_total.stop``), and the labels of its ``cache_config_info`` gauge
+    (block_size, num_gpu_blocks, ...)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values: dict[str, float] = {}
+    info: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        name = name_labels.split("{", 1)[0]
+        if name == "vllm:cache_config_info":
+            info = dict(re.findall(r'(\w+)="([^"]*)"', name_labels))
+        if m := re.search(r'finished_reason="([^"]*)"', name_labels):
+            name += "." + m[1]
+        values[name] = values.get(name, 0.0) + float(value)
+    return values, info
+
+
 class ServerFailed(RuntimeError):
     def __init__(self, msg: str, log: str):
         super().__init__(msg)
