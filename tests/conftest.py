@@ -29,6 +29,14 @@ def pytest_report_header(config):
     return [_machine_line()]
 
 
+def pytest_configure(config):
+    # CI must stay under ~45 min on the slowest machine: every run lists its slowest tests, so that the log of each
+    # landing says where the time goes (pass --durations=N to choose another count)
+    if getattr(config.option, "durations", None) is None:
+        config.option.durations = 25
+        config.option.durations_min = 5.0
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_line(_machine_line())
 

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from tests.helpers import bench_call
 from vllm_temporalkv.codecs.selective import SelectiveCodec, selective_mask
 from vllm_temporalkv.codecs.tada import (
     TadaCodec,
@@ -351,3 +352,18 @@ def test_search_is_optimal_under_budget():
         best = min(sum(errors[layer][b] for layer, b in enumerate(c))
                    for c in itertools.product((2, 4, 8), repeat=L) if sum(c) <= budget * L + 1e-9)
         assert math.isclose(sum(errors[layer][b] for layer, b in got.items()), best, rel_tol=1e-12)
+
+
+def test_per_token_int4_zeroes_the_channels_an_outlier_channel_dwarfs():
+    """benchmarks.kv_outliers' measure of why per-token formats break on Qwen2.5 (issue 35): with one channel 50x
+    the rest, the per-token absmax scale rounds the other channels to zero; a per-channel scale keeps them."""
+    stats = bench_call(
+        "import json, torch; from benchmarks.kv_outliers import layer_stats\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "x = torch.randn(256, 2, 64, generator=g); x[..., 3] = 50 + torch.randn(256, 2, generator=g)\n"
+        "y = torch.randn(256, 2, 64, generator=g)\n"
+        "print(json.dumps([layer_stats(x), layer_stats(y)]))")
+    spiky, plain = stats
+    assert spiky["channel_ratio"] > 40 and plain["channel_ratio"] < 2
+    assert spiky["int4_zeroed"] > 0.9 > 0.3 > plain["int4_zeroed"]
+    assert spiky["int4_rel_err"] > 0.9 and spiky["int4_per_channel_rel_err"] < 0.2  # the zeroed channels: all lost
