@@ -189,6 +189,18 @@ def test_uniform_decode_step_needs_no_host_tensors_and_skips_padding():
     assert (got[:n].float() - want.float()).abs().max() <= _tol(lc.dtype) * max(1.0, want.float().abs().max().item())
     assert torch.isfinite(got[n:].float()).all()
     assert torch.equal(pages, ref)
+    # vLLM's own padding of a captured batch: the padding requests have 0 query tokens (query_start_loc repeats its
+    # last value) and seq_len 0 - still a uniform decode, one row per request, the same result
+    vllm_qsl = torch.tensor([0, 1, 2, 3, 3, 3])
+    plan2 = triton_path.plan_step(vllm_qsl, slp.cpu(), pages.device, btp.device, slp, btp, lc.block_size)
+    assert plan2.uniform_decode and plan2.positions.tolist() == [22, 14, 8, -1, -1]
+    assert plan2.query_start_loc.tolist() == list(range(n + P + 1))
+    got2 = triton_path.forward(lc, pages, qp, kp, vp, None, None, btp, wrong, wrong, 0.125,
+                               batch_invariant=False, plan=plan2)
+    assert torch.equal(got2[:n], got[:n]) and torch.equal(pages, ref)
+    # a zero-length request that is not trailing padding (a live sequence) keeps the mixed plan
+    live = triton_path.plan_step(torch.tensor([0, 1, 1, 2]), torch.tensor([23, 15, 9]), pages.device)
+    assert not live.uniform_decode
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)

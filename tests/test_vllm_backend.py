@@ -137,3 +137,51 @@ def test_engines_of_different_formats_in_one_process(smollm2_dir, tiny_artifact)
     assert abs(two["pages"] * rec[two["format"]] / (four["pages"] * rec[four["format"]]) - 1) < 0.02, runs
     # the first format again: the same pages and the same greedy text as the first engine
     assert again == two and len(two["text"]) > 20
+
+
+def test_builder_pads_a_captured_decode_batch_and_claims_graphs_only_when_asked(monkeypatch):
+    """Full CUDA graphs (opt-in, VLLM_TEMPORALKV_CUDA_GRAPHS=1, unchecked on a GPU so far): a decode batch vLLM
+    pads to a captured size (padding requests: 0 query tokens, seq_len 0) gets one row per request, the padding
+    rows' host position and page -1; capture's dummy batch (every slot -1) gets real metadata, a live step's
+    all-padding batch none; and without the opt-in (or on this CPU) attention stays eager."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from vllm_temporalkv.vllm import backend
+
+    b = object.__new__(backend.TemporalKVMetadataBuilder)
+    b.block_size = 16
+    bt = torch.tensor([[3, 4], [5, 6], [7, 8], [0, 0], [0, 0]])
+
+    def cam(qsl, seq, slots):
+        seq = torch.tensor(seq)
+        return SimpleNamespace(query_start_loc_cpu=torch.tensor(qsl), num_actual_tokens=int(qsl[-1]),
+                               slot_mapping=torch.tensor(slots), block_table_tensor=bt, seq_lens=seq,
+                               seq_lens_cpu_upper_bound=seq)
+
+    m = b.build(0, cam([0, 1, 2, 3, 3, 3], [23, 15, 9, 0, 0], [70, 94, 120, -1, -1]))
+    assert m.num_actual_tokens == 5
+    assert m.positions.tolist() == [22, 14, 8, -1, -1] and m.page_ids.tolist() == [4, 5, 7, -1, -1]
+    m = b.build(0, cam([0, 1, 3], [23, 15], [70, 93, 94]))  # a mixed step: unchanged
+    assert m.num_actual_tokens == 3 and m.positions.tolist() == [22, 13, 14]
+    dummy = cam([0, 1, 2], [1, 1], [-1, -1])
+    assert b.build(0, dummy) is None
+    assert b.build_for_cudagraph_capture(dummy).num_actual_tokens == 2 and not b._capturing
+    vc = SimpleNamespace(additional_config={}, model_config=SimpleNamespace(dtype=torch.bfloat16))
+    spec = SimpleNamespace(head_size=64)
+    monkeypatch.delenv(backend.ENV_CUDA_GRAPHS, raising=False)
+    assert backend.TemporalKVMetadataBuilder.get_cudagraph_support(vc, spec) == AttentionCGSupport.NEVER
+    monkeypatch.setenv(backend.ENV_CUDA_GRAPHS, "1")  # asked for, but this machine has no CUDA
+    assert backend.TemporalKVMetadataBuilder.get_cudagraph_support(vc, spec) == AttentionCGSupport.NEVER
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)  # as on a GPU
+    vc = SimpleNamespace(additional_config={"temporalkv_artifact": "x.safetensors"},
+                         model_config=SimpleNamespace(dtype=torch.bfloat16, model="m"),
+                         cache_config=SimpleNamespace(cache_dtype="temporalkv-2bit", block_size=1024))
+    cg = backend.TemporalKVMetadataBuilder.get_cudagraph_support
+    assert cg(vc, spec) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    assert cg(vc, SimpleNamespace(head_size=96)) == AttentionCGSupport.NEVER  # the torch path serves it
+    vc.additional_config["temporalkv_recent_window"] = 128
+    assert cg(vc, spec) == AttentionCGSupport.NEVER

@@ -71,6 +71,14 @@ def decode_slots(seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size:
             torch.where(live.to(block_tables.device), page.long(), -1))
 
 
+def padding_requests(qlen: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """The requests vLLM adds to pad a decode batch to a captured CUDA-graph size: 0 query tokens (its
+    query_start_loc repeats the last value) and seq_len 0, after every real request (host tensors)."""
+    pad = (qlen == 0) & (seq_lens.cpu()[: qlen.shape[0]] == 0)
+    real = (~pad).nonzero()
+    return pad & (torch.arange(qlen.shape[0]) > (int(real[-1]) if real.numel() else -1))
+
+
 def plan_step(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, device, table_device=None,
               device_seq_lens: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
               block_size: int | None = None) -> StepPlan:
@@ -80,10 +88,12 @@ def plan_step(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, device, tab
     qsl = query_start_loc.cpu()
     qlen = qsl[1:] - qsl[:-1]
     one = qlen == 1
-    if bool(one.all()):
+    if bool((one | padding_requests(qlen, seq_lens)).all()):
         dev_sl = device_seq_lens if device_seq_lens is not None and device_seq_lens.device == torch.device(device) \
             else seq_lens.to(device, torch.int32)
-        plan = StepPlan(True, qsl.to(device, torch.int32), dev_sl, None, None, [])
+        # rows = requests (a padding request's row is ignored); 0..R made on the device: a host-to-device copy
+        # could not be captured in a CUDA graph, and the decode never reads it (its shape says R)
+        plan = StepPlan(True, torch.arange(len(qlen) + 1, dtype=torch.int32, device=device), dev_sl, None, None, [])
         if block_tables is not None and block_size:
             plan.positions, plan.page_ids = decode_slots(dev_sl, block_tables, block_size)
             plan.max_position = block_tables.shape[1] * block_size

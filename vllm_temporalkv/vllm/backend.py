@@ -43,6 +43,7 @@ from ..formats import BLOCK_TOKENS, FORMATS, FormatError, check_head_dim, get_fo
 from ..layout import PageLayout
 from ..page_views import exact_view
 from ..rope import Rope
+from ..ops.triton_path import padding_requests
 from . import compat
 from .options import DEFAULT_BLOCK_SIZE, TemporalKVConfigError, load_artifact, logger, serving_options
 
@@ -197,8 +198,30 @@ class TemporalKVMetadata:
         return self._plans[key]
 
 
+ENV_CUDA_GRAPHS = "VLLM_TEMPORALKV_CUDA_GRAPHS"
+
+
+def cuda_graphs_ok(vllm_config: VllmConfig, kv_cache_spec) -> bool:
+    """Whether decode steps may be captured in full CUDA graphs: opted in, on CUDA, and where the GPU decode (not
+    the torch path) serves every layer - what ops.select picks for a half-precision model with 64 / 128 / 256-dim
+    heads, no recent window, no outliers, no small pages, not batch-invariant."""
+    import os
+
+    if os.environ.get(ENV_CUDA_GRAPHS) != "1" or os.environ.get(ops.ENV_PATH, "").lower() == "torch":
+        return False
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return False
+    opts = serving_options(vllm_config)
+    return (vllm_config.model_config.dtype in (torch.bfloat16, torch.float16)
+            and getattr(kv_cache_spec, "head_size", None) in (64, 128, 256)
+            and not (opts["batch_invariant"] or opts["window"] or opts["outliers"] or opts["small_pages"]))
+
+
 class TemporalKVMetadataBuilder(AttentionMetadataBuilder[TemporalKVMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    _capturing = False
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -206,13 +229,31 @@ class TemporalKVMetadataBuilder(AttentionMetadataBuilder[TemporalKVMetadata]):
         # decodes first (vLLM reorders the batch): a mixed step's decodes are one slice of rows for the Triton path
         self.reorder_batch_threshold = 1
 
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
+        """Full CUDA graphs of decode-only steps, opt-in (VLLM_TEMPORALKV_CUDA_GRAPHS=1) until a GPU has checked
+        them (benchmarks/gpu/NOTES.md: greedy text with graphs = without): where the GPU decode serves (CUDA or
+        Triton: half-precision model, head size 64 / 128 / 256, no recent window, not batch-invariant), a uniform
+        decode step reads only device tensors and skips padding rows; anything else keeps attention eager."""
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if cuda_graphs_ok(vllm_config, kv_cache_spec) \
+            else AttentionCGSupport.NEVER
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> TemporalKVMetadata:
+        """vLLM captures with a dummy batch whose slots are padding (-1): build real metadata for it anyway (build
+        returns none for an all-padding batch), its writes landing in the null block 0 as vLLM's own backends' do."""
+        self._capturing = True
+        try:
+            return self.build(0, common_attn_metadata)
+        finally:
+            self._capturing = False
+
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TemporalKVMetadata:
         cam = common_attn_metadata
         # vLLM's dummy batches (kernel autotuning, warm-up sizes, idle data-parallel ranks) mark every slot as
         # padding (-1) and may reuse stale block-table rows: nothing to attend to, nothing to write
         sm = getattr(cam, "slot_mapping", None)
-        if sm is not None and sm.numel() and int(sm[0]) < 0:
+        if sm is not None and sm.numel() and int(sm[0]) < 0 and not self._capturing:
             return None
         qsl = cam.query_start_loc_cpu.long()
         n = min(cam.num_actual_tokens, int(qsl[-1]))  # padded batches (full CUDA graphs): padding is no request's
@@ -223,6 +264,14 @@ class TemporalKVMetadataBuilder(AttentionMetadataBuilder[TemporalKVMetadata]):
         positions = (seq - qlen)[req] + (torch.arange(n) - qsl[:-1][req])
         bt = cam.block_table_tensor
         page_ids = bt[req.to(bt.device), (positions // self.block_size).to(bt.device)]
+        if len(qlen) > n and bool(((qlen == 1) | padding_requests(qlen, seq)).all()):
+            # a decode batch padded to a captured CUDA-graph size: one row per request, padding rows included (the
+            # Triton path's uniform plan reads positions and pages from the device and skips seq_len 0); the host
+            # positions / pages of the padding rows say "nothing" (-1) to any other path
+            fill = torch.full((len(qlen) - n,), -1, dtype=positions.dtype)
+            positions = torch.cat([positions, fill])
+            page_ids = torch.cat([page_ids, fill.to(page_ids.device, page_ids.dtype)])
+            n = len(qlen)
         return TemporalKVMetadata(n, qsl, seq, bt, positions.to(bt.device), page_ids,
                                   device_seq_lens=cam.seq_lens[: len(qlen)], block_size=self.block_size)
 
