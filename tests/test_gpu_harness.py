@@ -105,11 +105,13 @@ def test_score_fails_missing_or_failed_runs_and_bounds_by_the_control(tmp_path):
     # a later session's report supplies the missing runs; its default (0.3 nats from the CPU) replaces the first
     later = {"runs": {"auto/default": _run({"5": -1.05}, [5, 1]), "temporalkv-2bit/default": _run({"5": -1.3}, [5, 1]),
                       "temporalkv-2bit/triton": _run({"5": -1.3}, [5, 1]),
-                      "temporalkv-2bit/torch": _run({"5": -1.3}, [5, 1])}}
+                      "temporalkv-2bit/torch": _run({"5": -1.3}, [5, 1]),
+                      "temporalkv-2bit/graphs": _run({"5": -1.3}, [5, 1])}}
     rc, out = _rescore(tmp_path, ref, rep, later)
     by = {c["what"]: c for c in out["checks"]}
     assert by["temporalkv-2bit: GPU default vs GPU torch"]["ok"] and by["temporalkv-2bit: GPU triton vs GPU torch"]["ok"]
     assert not by["temporalkv-2bit: GPU default vs CPU reference"]["ok"] and rc == 1
+    assert by["temporalkv-2bit: GPU with CUDA graphs vs GPU eager"]["ok"]
     fig = bench_call("import json, sys; from benchmarks.gpu.oracle_match import headline_figures; "
                      "print(json.dumps(headline_figures(json.load(open(sys.argv[1])))))",
                      tmp_path / "out" / "oracle_match.json")

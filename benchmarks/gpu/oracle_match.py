@@ -29,7 +29,10 @@ import time
 from pathlib import Path
 
 FORMATS = ["auto", "temporalkv-2bit", "selective-int4"]
-PATHS = {"default": {}, "triton": {"VLLM_TEMPORALKV_CUDA_DECODE": "0"}, "torch": {"VLLM_TEMPORALKV_OPS": "torch"}}
+PATHS = {"default": {}, "triton": {"VLLM_TEMPORALKV_CUDA_DECODE": "0"}, "torch": {"VLLM_TEMPORALKV_OPS": "torch"},
+         # the default path with full CUDA graphs of the decode steps (opt-in; the engine then runs without
+         # enforce_eager): --paths graphs, compared with the eager default
+         "graphs": {"VLLM_TEMPORALKV_CUDA_GRAPHS": "1"}}
 # on a GPU: the codebook formats have a CUDA (default) and a Triton decode; the others one fast path
 GPU_PATHS = {"auto": ("default",), "temporalkv-2bit": ("default", "triton", "torch")}
 PROMPT_TOKENS, N_PROMPTS, MAX_TOKENS, TOP = 1000, 4, 32, 5
@@ -70,7 +73,8 @@ def run_one(model_dir: str, fmt: str, artifact: str | None, ids: list[list[int]]
     kw = dict(gpu_memory_utilization=0.3) if gpu else {}
     extra = {"temporalkv_artifact": artifact} if artifact and fmt != "auto" else {}
     t = time.time()
-    llm = LLM(model=model_dir, kv_cache_dtype=fmt, dtype="bfloat16", max_model_len=2048, enforce_eager=True,
+    eager = os.environ.get("VLLM_TEMPORALKV_CUDA_GRAPHS") != "1"
+    llm = LLM(model=model_dir, kv_cache_dtype=fmt, dtype="bfloat16", max_model_len=2048, enforce_eager=eager,
               enable_prefix_caching=False, additional_config=extra, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in ids],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP),
@@ -305,12 +309,14 @@ def score(rep: dict, ref: dict, tol: float) -> bool:
         if fmt == "auto":
             continue
         got = {k.split("/")[1]: v for k, v in runs.items() if k.split("/")[0] == fmt}
-        paths = [p for p in GPU_PATHS.get(fmt, ("default", "torch")) if p != "torch"]
+        paths = [p for p in dict.fromkeys([*GPU_PATHS.get(fmt, ("default", "torch")), *got]) if p != "torch"]
         for p in paths:
             pair(f"{fmt}: GPU {p} vs GPU torch", got.get(p, not_run), got.get("torch", not_run), tol)
         if "default" in paths and "triton" in paths:
             pair(f"{fmt}: GPU default (CUDA decode) vs GPU triton", got.get("default", not_run),
                  got.get("triton", not_run), tol)
+        if "graphs" in got:
+            pair(f"{fmt}: GPU with CUDA graphs vs GPU eager", got["graphs"], got.get("default", not_run), tol)
         cpu = ref["runs"].get(f"{fmt}/default", not_run)
         if control is None:
             rep["checks"].append(dict(what=f"{fmt}: GPU default vs CPU reference", ok=False,
@@ -332,7 +338,8 @@ def headline_figures(rep: dict) -> dict[str, float]:
         fmt, what = c["what"].split(": ", 1)
         key = {"GPU vs CPU (the platforms' control)": "vs_cpu", "GPU default vs CPU reference": "vs_cpu",
                "GPU default vs GPU torch": "cuda_vs_gpu_torch", "GPU triton vs GPU torch": "triton_vs_gpu_torch",
-               "GPU default (CUDA decode) vs GPU triton": "cuda_vs_triton"}.get(what)
+               "GPU default (CUDA decode) vs GPU triton": "cuda_vs_triton",
+               "GPU with CUDA graphs vs GPU eager": "graphs_vs_eager"}.get(what)
         if key:
             base = f"gpu_oracle.smollm2.{fmt}.{key}"
             fig[f"{base}_max_dlogprob"] = c["max_dlogprob"]
