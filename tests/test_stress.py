@@ -105,3 +105,38 @@ def test_pipeline_parallel_matches_one_process(stress, tiny_artifact, tmp_path):
     # stays within the tolerance - a stage on another layer's codebooks would move it by nats
     assert all(d["first_token_dlogprob"] is not None and d["first_token_dlogprob"] <= stress.tol for d in r["detail"]), r
     assert "| pp2 | yes |" in (tmp_path / "stress.md").read_text()
+
+
+def test_scrape_metrics_sums_label_sets_and_reads_the_cache_config(tmp_path):
+    """harness.server.scrape_metrics (benchmarks.stress and benchmarks.prefix): counters summed over label sets, a
+    finished_reason kept apart, cache_config_info's labels returned, other exporters' lines ignored."""
+    import http.server
+    import threading
+
+    from vllm_temporalkv.harness.server import scrape_metrics
+
+    body = ('# HELP x\nvllm:prefix_cache_hits_total{engine="0",model_name="m"} 96.0\n'
+            'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 32.0\n'
+            'vllm:request_success_total{engine="0",finished_reason="stop"} 3.0\n'
+            'vllm:request_success_total{engine="0",finished_reason="length"} 2.0\n'
+            'vllm:cache_config_info{block_size="1024",cache_dtype="temporalkv-2bit"} 1.0\n'
+            'process_cpu_seconds_total 9.0\n').encode()
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        values, info = scrape_metrics(srv.server_address[1])
+    finally:
+        srv.shutdown()
+    assert values["vllm:prefix_cache_hits_total"] == 128.0
+    assert values["vllm:request_success_total.stop"] == 3.0 and values["vllm:request_success_total.length"] == 2.0
+    assert info == {"block_size": "1024", "cache_dtype": "temporalkv-2bit"} and "process_cpu_seconds_total" not in values
