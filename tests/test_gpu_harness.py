@@ -112,6 +112,14 @@ def test_score_fails_missing_or_failed_runs_and_bounds_by_the_control(tmp_path):
     assert by["temporalkv-2bit: GPU default vs GPU torch"]["ok"] and by["temporalkv-2bit: GPU triton vs GPU torch"]["ok"]
     assert not by["temporalkv-2bit: GPU default vs CPU reference"]["ok"] and rc == 1
     assert by["temporalkv-2bit: GPU with CUDA graphs vs GPU eager"]["ok"]
+    assert "engines start as vLLM launches them (fork)" not in by
+    # an engine that only started with spawn (the fork bug back): measured, but the check fails and says so
+    later["runs"]["auto/default"]["fork_bug"] = ["RuntimeError: Cannot re-initialize CUDA in forked subprocess"]
+    rc, out = _rescore(tmp_path, ref, rep, later)
+    by = {c["what"]: c for c in out["checks"]}
+    assert not by["engines start as vLLM launches them (fork)"]["ok"] and "auto/default" in \
+        by["engines start as vLLM launches them (fork)"]["error"]
+    assert "FORK BUG" in (tmp_path / "out" / "oracle_match.md").read_text()
     fig = bench_call("import json, sys; from benchmarks.gpu.oracle_match import headline_figures; "
                      "print(json.dumps(headline_figures(json.load(open(sys.argv[1])))))",
                      tmp_path / "out" / "oracle_match.json")

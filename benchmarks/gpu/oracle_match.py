@@ -35,6 +35,7 @@ PATHS = {"default": {}, "triton": {"VLLM_TEMPORALKV_CUDA_DECODE": "0"}, "torch":
          "graphs": {"VLLM_TEMPORALKV_CUDA_GRAPHS": "1"}}
 # on a GPU: the codebook formats have a CUDA (default) and a Triton decode; the others one fast path
 GPU_PATHS = {"auto": ("default",), "temporalkv-2bit": ("default", "triton", "torch")}
+FORK_BUG = "Cannot re-initialize CUDA in forked subprocess"
 PROMPT_TOKENS, N_PROMPTS, MAX_TOKENS, TOP = 1000, 4, 32, 5
 
 
@@ -98,11 +99,21 @@ def launch(model_dir: str, fmt: str, path: str, artifact: str | None, ids_file: 
            "--ids", str(ids_file), "--json", str(out)] + (["--artifact", artifact] if artifact else []) + \
         (["--gpu"] if gpu else [])
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    fork_bug = None
+    if (r.returncode or not out.is_file()) and FORK_BUG in (r.stderr or r.stdout) and \
+            "VLLM_WORKER_MULTIPROC_METHOD" not in env:
+        # something in the engine's parent touched CUDA again: record it (a user's engine would fail the same way)
+        # and still measure, with spawn - device minutes are too few to come back for the numbers
+        fork_bug = error_cause(r.stderr or r.stdout)
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if r.returncode or not out.is_file():
         text = r.stderr or r.stdout
-        return dict(format=fmt, path=path, error=text[-3000:], cause=error_cause(text))
+        return dict(format=fmt, path=path, error=text[-3000:], cause=error_cause(text), fork_bug=fork_bug)
     rec = json.loads(out.read_text())
     rec["path"] = path
+    if fork_bug:
+        rec["fork_bug"] = fork_bug
     return rec
 
 
@@ -325,6 +336,11 @@ def score(rep: dict, ref: dict, tol: float) -> bool:
         elif "error" not in cpu:
             pair(f"{fmt}: GPU default vs CPU reference", got.get("default", not_run), cpu,
                  max(tol, 2 * control["max_dlogprob"]), top1_needed=control["top1_equal"])
+    forked = [k for k, v in runs.items() if v.get("fork_bug")]
+    if forked:  # measured with spawn, but a user's engine would not have started
+        rep["checks"].append(dict(what="engines start as vLLM launches them (fork)", ok=False,
+                                  error=f"{FORK_BUG}: {', '.join(forked)}"))
+        ok = False
     rep["ok"] = bool(ok)
     return rep["ok"]
 
@@ -360,6 +376,8 @@ def report(rep: dict, ref: dict, out: Path, tol: float, headline: bool) -> int:
              "| engine | seconds | error |", "|---|---|---|"]
     for k, v in rep["runs"].items():
         err = ("; ".join(v.get("cause") or []) or v["error"][-200:]) if "error" in v else ""
+        if v.get("fork_bug"):
+            err = f"FORK BUG (ran again with spawn): {v['fork_bug'][0]} {err}"
         lines.append(f"| {k} | {v.get('seconds', '')} | {err} |".replace("\n", " "))
     lines += ["", "| check | top-1 equal (prompts) | max abs dlogprob, first token | bound | greedy prefix (min of 32) "
               "| max abs dlogprob, decode steps in the shared prefix | ok |", "|---|---|---|---|---|---|---|"]
