@@ -60,7 +60,7 @@ def _run(first: dict[str, float], tokens: list[int], later: dict[str, float] | N
 def test_compare_separates_prefill_from_decode_steps():
     a = _run({"5": -1.0, "6": -2.0}, [5, 7, 8, 9])
     b = _run({"5": -1.1, "6": -2.0}, [5, 7, 3, 9], later={"1": -0.75, "2": -1.5})
-    c = bench_call("import json, sys; from benchmarks.gpu.oracle_match import compare; "
+    c = bench_call("import json, sys; from benchmarks.gpu.oracle_report import compare; "
                    "print(json.dumps(compare(*map(json.loads, sys.argv[1:]))))", json.dumps(a), json.dumps(b))
     assert c["top1_equal"] and c["max_dlogprob"] == pytest.approx(0.1)
     assert c["min_greedy_prefix"] == 2  # tokens differ at index 2
@@ -120,7 +120,7 @@ def test_score_fails_missing_or_failed_runs_and_bounds_by_the_control(tmp_path):
     assert not by["engines start as vLLM launches them (fork)"]["ok"] and "auto/default" in \
         by["engines start as vLLM launches them (fork)"]["error"]
     assert "FORK BUG" in (tmp_path / "out" / "oracle_match.md").read_text()
-    fig = bench_call("import json, sys; from benchmarks.gpu.oracle_match import headline_figures; "
+    fig = bench_call("import json, sys; from benchmarks.gpu.oracle_report import headline_figures; "
                      "print(json.dumps(headline_figures(json.load(open(sys.argv[1])))))",
                      tmp_path / "out" / "oracle_match.json")
     assert fig["gpu_oracle.smollm2.temporalkv-2bit.vs_cpu_max_dlogprob"] == pytest.approx(0.3)
