@@ -229,6 +229,45 @@ def test_quality_harness_protocol(tiny_artifact, smollm2_dir, tmp_path):
     assert not torch.equal(y[0, SINK_TOKENS:], x[0, SINK_TOKENS:].bfloat16().float())
 
 
+@pytest.mark.parametrize("window", [0, 5, 16])
+def test_causal_attention_is_the_dense_definition(window):
+    """harness.simulate.causal_attention (banded: exact keys written over the decoded scores diagonal by diagonal)
+    equals its definition computed densely: every query sees the keys of its own block and of the recent window
+    before it exactly, all earlier ones decoded; grouped query heads share their KV head.  The needle probe reads
+    the same ranks."""
+    import types
+
+    from vllm_temporalkv.formats import BLOCK_TOKENS
+    from vllm_temporalkv.harness import simulate
+    from vllm_temporalkv.rope import Rope
+
+    torch.manual_seed(window)
+    B, Hq, Hk, T, D = 2, 6, 2, 75, 16
+    rope = Rope(types.SimpleNamespace(head_dim=D, hidden_size=Hq * D, num_attention_heads=Hq, rope_theta=1e4,
+                                      rope_scaling=None, max_position_embeddings=4096))
+    q, k, v = torch.randn(B, Hq, T, D), torch.randn(B, Hk, T, D), torch.randn(B, Hk, T, D)
+    stash = {(3, "k"): torch.randn(B, T, Hk, D), (3, "v"): torch.randn(B, T, Hk, D)}  # decoded, pre-RoPE
+    sim = types.SimpleNamespace(qs={}, window=window, stash=stash)
+    simulate._ACTIVE.update(sim=sim, rope=rope, probe={"query": 60, "span": [9, 10], "layers": {}})
+    try:
+        out, _ = simulate.causal_attention(types.SimpleNamespace(layer_idx=3), q, k, v, None, 0.25)
+        probe = simulate._ACTIVE.pop("probe")["layers"][3]
+    finally:
+        simulate._ACTIVE.clear()
+    pos = torch.arange(T)
+    kq = torch.stack([rope.apply(stash[(3, "k")][b], pos) for b in range(B)]).transpose(1, 2)
+    rep = lambda t: t.repeat_interleave(Hq // Hk, 1)  # noqa: E731
+    s_ex, s_q = q @ rep(k).transpose(2, 3) * 0.25, q @ rep(kq).transpose(2, 3) * 0.25
+    own = (pos[None, :] >= ((pos - window) // BLOCK_TOKENS * BLOCK_TOKENS)[:, None]) & (pos[None, :] <= pos[:, None])
+    served = torch.where(own, s_ex, s_q)
+    p = torch.softmax(served.masked_fill(pos[None, :] > pos[:, None], float("-inf")), -1)
+    want = p * own @ rep(v) + p * ~own @ rep(stash[(3, "v")].transpose(1, 2))
+    torch.testing.assert_close(out, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    for name, x in (("served", served), ("exact", s_ex)):
+        want = simulate.needle_attention(x[0, :, 60, :61], [9, 10])
+        assert probe[name]["rank"] == want["rank"] and probe[name]["mass"] == pytest.approx(want["mass"], abs=1e-6)
+
+
 def test_quality_harness_seed_methods(smollm2_dir, tmp_path):
     """The seed methods in the thesis protocol (the format Simulator, as served): their exact tokens stay
     bit-exact, the rest is changed, fewer bits cost more NLL, and QJL's key surrogate gives attention its score

@@ -536,9 +536,12 @@ def test_cpp_kernels_are_what_serves(server_2bit, server_4bit):
 
 
 def test_bad_artifact_refuses_to_start(smollm2_dir, tiny_artifact, tmp_path):
-    for what, (path, phrase) in _bad_artifacts(tmp_path, tiny_artifact).items():
-        s = VLLMServer(smollm2_dir, "--kv-cache-dtype", "temporalkv-2bit", "--max-model-len", str(MAX_LEN),
-                       env={"VLLM_TEMPORALKV_ARTIFACT": str(path)})
+    bad = _bad_artifacts(tmp_path, tiny_artifact)
+    # the three servers start side by side (each spends ~40 s in vLLM's start-up before our check refuses)
+    servers = {what: VLLMServer(smollm2_dir, "--kv-cache-dtype", "temporalkv-2bit", "--max-model-len", str(MAX_LEN),
+                                env={"VLLM_TEMPORALKV_ARTIFACT": str(path)}).launch() for what, (path, _) in bad.items()}
+    for what, (path, phrase) in bad.items():
+        s = servers[what]
         rc = s.wait_exit(300)
         log = s.log()
         assert rc not in (None, 0), f"{what}: server did not refuse"

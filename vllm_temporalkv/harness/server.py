@@ -123,8 +123,10 @@ class VLLMServer:
         raise ServerFailed(f"vLLM server not ready after {self.timeout} s; log: {self.log_path}", self.log())
 
     def wait_exit(self, timeout: float) -> int | None:
-        """For servers expected to refuse to start: their exit code (None if still running)."""
-        self.launch()
+        """For servers expected to refuse to start: their exit code (None if still running); launches the server
+        unless launch() already did."""
+        if self.proc is None:
+            self.launch()
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

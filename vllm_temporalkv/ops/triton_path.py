@@ -88,7 +88,8 @@ def plan_step(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, device, tab
     qsl = query_start_loc.cpu()
     qlen = qsl[1:] - qsl[:-1]
     one = qlen == 1
-    if bool((one | padding_requests(qlen, seq_lens)).all()):
+    # the padding check (a seq_lens read) only when some request is not a one-token decode
+    if bool(one.all()) or bool((one | padding_requests(qlen, seq_lens)).all()):
         dev_sl = device_seq_lens if device_seq_lens is not None and device_seq_lens.device == torch.device(device) \
             else seq_lens.to(device, torch.int32)
         # rows = requests (a padding request's row is ignored); 0..R made on the device: a host-to-device copy
