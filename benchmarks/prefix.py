@@ -250,7 +250,7 @@ def main(argv=None):
     figures = {}
     for name, r in rep["configs"].items():
         for P, x in r.get("prefixes", {}).items():
-            if "@" not in name:
+            if "@" not in name or name.endswith("@small"):  # @blockN rows are diagnostics; @small is a layout
                 figures[f"prefix.{a.name}.p{P}.{name}.hit_rate"] = x["hit_rate"]
                 if "ttft_ratio_vs_auto" in x:
                     figures[f"prefix.{a.name}.p{P}.{name}.ttft_ratio_vs_auto"] = x["ttft_ratio_vs_auto"]
