@@ -179,14 +179,19 @@ def causal_attention(module, query, key, value, attention_mask, scaling, dropout
         exact = (q[:, :, :, w:] * k[:, :, :, : T - w]).sum(-1).reshape(B, Hq, T - w)
         d = s.diagonal(-w, -2, -1)  # a view: written in place
         d.copy_(torch.where(own, exact, d))
-        diagonals.append((w, own))
+        diagonals.append((w, own, exact))
     p = torch.softmax(s.masked_fill_(_future(T, query.device), float("-inf")), -1)
     if probe is not None:  # benchmarks.needle_nll: how one query's attention finds the needle's tokens
         qi, span = probe["query"], probe["span"]
-        exact = torch.matmul(q[:, :, :, qi], k[:, :, 0, : qi + 1].transpose(2, 3)).reshape(B, Hq, qi + 1)[0]
+        # computed as the served scores are (the same matmul, the own keys from the same diagonals): where nothing
+        # is compressed the two agree bit for bit
+        exact = torch.matmul(q, k.transpose(3, 4)).reshape(B, Hq, T, T)[0, :, qi, : qi + 1].clone()
+        for w, own, ex in diagonals:
+            if w <= qi and own[qi - w]:
+                exact[:, qi - w] = ex[0, :, qi - w]
         served = s[0, :, qi, : qi + 1]  # [Hq, keys]: the scores as served
         probe["layers"][layer] = {name: needle_attention(x, span) for name, x in (("exact", exact), ("served", served))}
-    for w, own in diagonals:  # the exact keys' share, then their probability taken off the decoded values' share
+    for w, own, _ in diagonals:  # the exact keys' share, then their probability taken off the decoded values' share
         d = p.diagonal(-w, -2, -1)
         out[:, :, :, w:] += (d * own).reshape(B, Hk, g, T - w, 1) * v[:, :, :, : T - w]
         d.masked_fill_(own, 0.0)
