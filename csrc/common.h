@@ -12,6 +12,7 @@ constexpr int SINKS = 8;   // exact sink tokens (formats.SINK_TOKENS)
 constexpr int TAIL0 = 8;   // first tail slot of the region (layout.TAIL_SLOT0)
 constexpr int TILE = 32;   // tokens per decode tile (multiple of BLOCK)
 constexpr int MAX_D = 256;
+constexpr int PF_ROWS = 32;  // prefill: query rows (position x head of a GQA group) sharing each K/V tile read
 
 // the code paths, chosen in Python from the code layout's geometry (layout.CodeLayout.kernel_variant):
 // a vector along tokens, a vector along channels, one value with a codebook per channel
@@ -101,6 +102,23 @@ struct EncodeArgs {
   float s2;            // rope scale ** 2
 };
 
+// A prefill chunk's attention over its context (ops.cpu.prefill_attention): query i (position offset + i)
+// sees keys 0 .. its own position, those before its own block (block 0: the sinks, exact) decoded, the rest
+// exact.  Keys of one KV head in tiles of TILE tokens, K tile-major (a tile's [D][TILE] contiguous).
+struct PrefillArgs {
+  int Tq, Hq, g, D;
+  int64_t offset;      // position of query 0
+  float scale;
+  const float* q;      // [Tq, Hq, D]
+  const float* kdT;    // [H, nd / TILE, D, TILE]: decoded keys of positions 0 .. nd - 1 (zero past the context)
+  const float* vd;     // [H, nd, D]
+  int64_t nd;          // a multiple of TILE, >= every query's own-block start
+  const float* kxT;    // [H, nx / TILE, D, TILE]: exact keys of positions x0 .. x0 + nx - 1
+  const float* vx;     // [H, nx, D]
+  int64_t x0, nx;      // multiples of TILE; x0 <= the first query's own-block start, x0 + nx > the last query
+  float* out;          // [Tq, Hq, D]
+};
+
 // The entry points every ISA unit defines (namespace tkv::<isa>).
 struct Kernels {
   const char* name;
@@ -109,6 +127,7 @@ struct Kernels {
   void (*gather_block)(const GatherArgs&, int64_t item);  // item = (block - 1) * H + h
   void (*encode_item)(const EncodeArgs&, int64_t item);   // item = end index * H + h
   void (*nearest_rows)(const float* vecs, const float* centT, int64_t* out, int64_t n, int K, int v);
+  void (*prefill_item)(const PrefillArgs&, int64_t item);  // item = h * groups + group of PF_ROWS rows
 };
 
 namespace avx512 { extern const Kernels kernels; }

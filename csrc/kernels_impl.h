@@ -20,7 +20,17 @@ typedef int32_t vi __attribute__((vector_size(W * 4)));
 
 inline vf vload(const float* p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
 inline void vstore(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
-inline vf vbc(float x) { return vf{} + x; }
+// broadcast (not `vf{} + x`: adding 0.0 is not an identity for -0.0, so the compiler kept a scalar add in every
+// hot loop; a broadcast keeps the sign of zero, which no result depends on)
+inline vf vbc(float x) {
+#if TKV_W == 16
+  return _mm512_set1_ps(x);
+#elif TKV_W == 8
+  return _mm256_set1_ps(x);
+#else
+  return vf{x, x, x, x};
+#endif
+}
 inline vf vfma(vf a, vf b, vf c) {
 #if TKV_W == 16
   return _mm512_fmadd_ps(a, b, c);
@@ -1045,11 +1055,13 @@ void encode_item(const EncodeArgs& a, int64_t item) {
   }
 }
 
+#include "prefill_impl.h"
+
 }  // namespace
 
 extern const Kernels kernels;
 const Kernels kernels = {
-    TKV_ISA_NAME, decode_item, decode_merge, gather_block, encode_item, nearest_rows,
+    TKV_ISA_NAME, decode_item, decode_merge, gather_block, encode_item, nearest_rows, prefill_item,
 };
 
 }  // namespace TKV_ISA

@@ -427,6 +427,47 @@ void write_kv(const at::Tensor& pages, const at::Tensor& kh, const at::Tensor& v
   (void)bs;
 }
 
+// A prefill chunk's attention (PrefillArgs): q [Tq, Hq, D]; decoded keys kdT [H, nd / TILE, D, TILE] (tile-major)
+// and values vd [H, nd, D] of positions 0 ..; exact ones kxT / vx likewise of positions x0 ..; all float32.
+void prefill_attention(const at::Tensor& q, const at::Tensor& kdT, const at::Tensor& vd, const at::Tensor& kxT,
+                       const at::Tensor& vx, int64_t offset, int64_t x0, double scale, at::Tensor& out) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &kdT, &vd, &kxT, &vx, &out})
+    check_f32(*t, "prefill argument");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out: [Tq, Hq, D]");
+  const int64_t Tq = q.size(0), Hq = q.size(1), D = q.size(2);
+  TORCH_CHECK(D % 32 == 0 && D <= MAX_D, "head_dim must be a multiple of 32 and at most ", MAX_D);
+  TORCH_CHECK(vd.dim() == 3 && vd.size(2) == D && vx.dim() == 3 && vx.size(2) == D && vx.size(0) == vd.size(0),
+              "values: [H, n, D]");
+  const int64_t H = vd.size(0), nd = vd.size(1), nx = vx.size(1);
+  TORCH_CHECK(H > 0 && Hq % H == 0, "query heads must be a multiple of the KV heads");
+  TORCH_CHECK(nd % TILE == 0 && nx % TILE == 0 && x0 % TILE == 0 && x0 >= 0 && offset >= 0,
+              "key arrays and x0: whole tiles of ", TILE);
+  TORCH_CHECK(kdT.numel() == H * nd * D && kxT.numel() == H * nx * D, "keys: [H, n / TILE, D, TILE]");
+  auto own = [](int64_t p) { return p < SINKS ? (int64_t)0 : p / BLOCK * BLOCK; };
+  if (Tq == 0) return;
+  TORCH_CHECK(nd >= own(offset + Tq - 1) && x0 <= own(offset) && x0 + nx >= offset + Tq,
+              "the key arrays do not cover the chunk (decoded up to its last own block, exact from its first)");
+  PrefillArgs a;
+  a.Tq = (int)Tq;
+  a.Hq = (int)Hq;
+  a.g = (int)(Hq / H);
+  a.D = (int)D;
+  a.offset = offset;
+  a.scale = (float)scale;
+  a.q = q.data_ptr<float>();
+  a.kdT = kdT.data_ptr<float>();
+  a.vd = vd.data_ptr<float>();
+  a.nd = nd;
+  a.kxT = kxT.data_ptr<float>();
+  a.vx = vx.data_ptr<float>();
+  a.x0 = x0;
+  a.nx = nx;
+  a.out = out.data_ptr<float>();
+  const int64_t groups = (Tq * a.g + PF_ROWS - 1) / PF_ROWS;
+  const Kernels* kern = g_kernels;
+  parallel_items(H * groups, [&](int64_t i) { kern->prefill_item(a, i); });
+}
+
 // vecs [B, N, v] f32, centT [B, v, K] f32 (centroids transposed) -> [B, N] int64 nearest indices
 at::Tensor nearest(const at::Tensor& vecs, const at::Tensor& centT) {
   check_f32(vecs, "vecs");
@@ -461,7 +502,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather", &tkv::gather, py::call_guard<py::gil_scoped_release>());
   m.def("write_kv", &tkv::write_kv, py::call_guard<py::gil_scoped_release>());
   m.def("nearest", &tkv::nearest, py::call_guard<py::gil_scoped_release>());
+  m.def("prefill_attention", &tkv::prefill_attention, py::call_guard<py::gil_scoped_release>());
   m.attr("TILE") = tkv::TILE;
   // bumped whenever an op's arguments change: ops/cpu.py refuses (and says so) a stale build
-  m.attr("ABI_VERSION") = 6;
+  m.attr("ABI_VERSION") = 7;
 }

@@ -388,3 +388,66 @@ def test_forward_prefill_does_not_depend_on_chunking(dtype):
         outs.append(out)
     for o in outs[1:]:
         assert torch.equal(o, outs[0]), (o.float() - outs[0].float()).abs().max()
+
+
+def _prefill_dense(q, ke, ve, kd, vd, scale, offset):
+    """The prefill attention's definition in float64: query offset + i sees keys 0 .. itself, those before its own
+    8-token block decoded (block 0, the sinks, exact), the rest exact."""
+    n = offset + q.shape[0]
+    p = torch.arange(offset, n)[:, None]
+    t = torch.arange(n)[None, :]
+    dec = (t < torch.where(p < 8, 0, p // 8 * 8))[:, None, :]  # [Tq, 1, n]
+    g = q.shape[1] // ke.shape[1]
+    qh = q.double().transpose(0, 1)  # [Hq, Tq, D]
+    heads = lambda x: x[:n].double().repeat_interleave(g, 1).transpose(0, 1)  # noqa: E731 - [Hq, n, D]
+    s = torch.where(dec, (qh @ heads(kd).transpose(1, 2)).transpose(0, 1),
+                    (qh @ heads(ke).transpose(1, 2)).transpose(0, 1)) * scale  # [Tq, Hq, n]
+    w = torch.softmax(s.masked_fill((t > p)[:, None, :], float("-inf")), -1)
+    zero = torch.zeros((), dtype=w.dtype)
+    od = torch.where(dec, w, zero).transpose(0, 1) @ heads(vd)
+    oe = torch.where(dec, zero, w).transpose(0, 1) @ heads(ve)
+    return (od + oe).transpose(0, 1)
+
+
+@pytest.mark.parametrize("H,G,D", [(3, 3, 64), (2, 4, 128), (1, 1, 96)])
+def test_prefill_attention_definition_chunking_and_isas(H, G, D, isa):
+    """ops.cpu.prefill_attention (a prefill chunk's attention, csrc/prefill_impl.h) on every ISA variant: equal to
+    its float64 definition within float32 rounding, and to the torch path's _attend_fast; every query's output bit
+    for bit the same however the prompt is cut into chunks (cuts inside the sinks, inside blocks, on and off the
+    32-key tiles, one-token chunks)."""
+    from vllm_temporalkv.ops.paged_torch import _attend_fast
+
+    g = torch.Generator().manual_seed(21)
+    n = 700
+    q = torch.randn(n, H * G, D, generator=g)
+    ke, ve, kd, vd = (torch.randn(n, H, D, generator=g) for _ in range(4))
+    kd[300:340] *= 6  # large decoded scores
+    own = lambda p: 0 if p < 8 else p // 8 * 8  # noqa: E731
+    outs = []
+    for cuts in ([0, n], [0, 3, 8, 9, 31, 32, 64, 100, 333, n], [0, 1, 2, 250, 512, 699, n]):
+        outs.append(torch.cat([cpu.prefill_attention(q[a:b], kd[:b], vd[:b], ke[own(a):b], ve[own(a):b], own(a), a,
+                                                     D ** -0.5) for a, b in zip(cuts, cuts[1:])]))
+    want = _prefill_dense(q, ke, ve, kd, vd, D ** -0.5, 0)
+    assert (outs[0].double() - want).abs().max() <= 2e-5 * want.abs().max()
+    fast = _attend_fast(q, ke, ve, kd, vd, D ** -0.5, 0)
+    assert (outs[0] - fast).abs().max() <= 2e-5 * fast.abs().max()
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0]), (o - outs[0]).abs().max()
+    # a chunk in the middle of a context, against the definition at that offset
+    a = 421
+    got = cpu.prefill_attention(q[a:], kd, vd, ke[own(a):], ve[own(a):], own(a), a, D ** -0.5)
+    want = _prefill_dense(q[a:], ke, ve, kd, vd, D ** -0.5, a)
+    assert (got.double() - want).abs().max() <= 2e-5 * want.abs().max()
+
+
+def test_prefill_attention_refuses_arrays_that_do_not_cover_the_chunk():
+    """The kernel reads whole tiles of both key arrays: arrays too short for the chunk are refused by name,
+    never read out of bounds."""
+    q = torch.randn(40, 2, 64)
+    k = torch.randn(100, 1, 64)
+    with pytest.raises(RuntimeError, match="do not cover the chunk"):
+        cpu._C.prefill_attention(q, torch.zeros(1, 1, 64, 32), torch.zeros(1, 32, 64), torch.zeros(1, 1, 64, 32),
+                                 torch.zeros(1, 32, 64), 60, 32, 0.125, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="multiple of the KV heads"):
+        cpu.prefill_attention(torch.randn(4, 3, 64), k[:8].expand(8, 2, 64), k[:8].expand(8, 2, 64),
+                              k[:8].expand(8, 2, 64), k[:8].expand(8, 2, 64), 0, 4, 0.125)

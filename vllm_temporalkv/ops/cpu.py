@@ -46,7 +46,7 @@ from ..page_views import region_view
 
 logger = logging.getLogger("vllm.temporalkv")
 
-ABI_VERSION = 6  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
+ABI_VERSION = 7  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
 # split-K: every request's context is cut at the same 8-tile (256-token) boundaries whatever the batch, so
 # its output does not depend on which requests share the step (a batch-dependent split count changed
 # float32 rounding, and a 2-bit cache amplifies that through the codes of later tokens: benchmarks/stress.py)
@@ -419,13 +419,57 @@ def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: floa
     hi = n // BLOCK_TOKENS * BLOCK_TOKENS
     m = max(hi, min(n, SINK_TOKENS))  # sinks and whole blocks: all in the pages now
     kg, vg = gather_kv(lc, pages, table, m, exact=exact)
-    Kd = torch.cat([kg, ke[m - e0:]])
-    Vd = torch.cat([vg, ve[m - e0:]])
-    K, V = Kd.clone(), Vd.clone()
-    K[e0:], V[e0:] = ke, ve
-    out.copy_(paged_torch._attend_fast(q, K, V, Kd, Vd, scale, ctx).to(out.dtype))
+    # exact keys from the first query's own block (block 0: the sinks, exact in the gather too)
+    x = 0 if ctx < SINK_TOKENS else ctx // BLOCK_TOKENS * BLOCK_TOKENS
+    kx, vx = torch.cat([kg[x:e0], ke]), torch.cat([vg[x:e0], ve])
+    prefill_attention(q, kg, vg, kx, vx, x, ctx, scale, out)
+
+
+def _padded(t: torch.Tensor, before: int, length: int) -> torch.Tensor:
+    """[N, H, D] -> float32 [length, H, D]: `before` zero rows, t, zero rows after (the kernel reads whole tiles)."""
+    buf = torch.zeros(length, *t.shape[1:], dtype=torch.float32)
+    n = min(t.shape[0], length - before)
+    buf[before:before + n] = t[:n]
+    return buf
+
+
+def _keys_tiled(t: torch.Tensor) -> torch.Tensor:
+    """[length, H, D] -> [H, length / TILE, D, TILE]: each tile's keys as columns, contiguous."""
+    L, H, D = t.shape
+    return t.view(L // _C.TILE, _C.TILE, H, D).permute(2, 0, 3, 1).contiguous()
+
+
+@torch.no_grad()
+def prefill_attention(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor,
+                      x0: int, offset: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A prefill chunk's attention in C++: queries q [Tq, Hq, D] at positions offset.., each over the keys up to
+    itself - decoded (kd / vd [>= its own block's start, H, D], positions 0..) before its own 8-token block, exact
+    (kx / vx, positions x0..offset + Tq - 1, x0 <= the first query's own-block start) from there on.  The
+    attention ``paged_torch._attend_fast`` computes (one softmax over both), float32, GQA without K/V copies, each
+    query's output the same bit for bit however its prompt was chunked (csrc/prefill_impl.h)."""
+    Tq, Hq, D = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    if Tq == 0:
+        return out
+    T = _C.TILE
+    last = offset + Tq - 1
+    own = 0 if last < SINK_TOKENS else last // BLOCK_TOKENS * BLOCK_TOKENS
+    nd = -(-own // T) * T
+    xt = x0 // T * T  # kx's rows from the tile x0 is in
+    nx = -(-(offset + Tq) // T) * T - xt
+    kdp, kxp = _padded(kd, 0, nd), _padded(kx, x0 - xt, nx)
+    vdp, vxp = _padded(vd, 0, nd), _padded(vx, x0 - xt, nx)
+    kdT, kxT = _keys_tiled(kdp), _keys_tiled(kxp)
+    vdt, vxt = vdp.transpose(0, 1).contiguous(), vxp.transpose(0, 1).contiguous()
+    o32 = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(Tq, Hq, D)
+    _C.prefill_attention(q.float().contiguous(), kdT, vdt, kxT, vxt, int(offset), int(xt), float(scale), o32)
+    if o32 is not out:
+        out.copy_(o32)
+    return out
 
 _load()
 
-__all__ = ["available", "decode_attention", "forward", "gather_kv", "isa", "nearest", "paged_attention", "set_isa",
+__all__ = ["available", "decode_attention", "forward", "gather_kv", "isa", "nearest", "paged_attention",
+           "prefill_attention", "set_isa",
            "supported_isas", "supports", "write_kv"]

@@ -1,0 +1,183 @@
+// Prefill attention (a chunk of queries over decoded + exact keys), fused and GQA-aware.  Included by
+// kernels_impl.h inside its per-ISA anonymous namespace (vf, vload, vfma, vexp, hsum, W from there).
+//
+// Why: the chunk's attention was torch's float32 flash kernel on K/V copied once per query head of a GQA
+// group, with the own block's exact keys in a second pass merged by log-sum-exp; on a 2-core AVX-512 machine it
+// took ~75% of a 512-query chunk's layer step (benchmarks/throughput: prefill-heavy 0.60x auto).  Here the
+// g query heads of a KV head share every K/V tile read (L1-resident, tile-major), and each query's own block is
+// taken from the exact keys in the same pass: one softmax over the union, no merge.
+//
+// Arithmetic, the same for a query whatever rows share its group (so its output does not depend on how the
+// prompt was chunked or batched): scores s[t] = sum_c (q[c] * scale) * k_t[c] as one FMA chain in channel
+// order per key; keys in 32-token tiles at absolute positions, tiles in order; per tile the running max, exp
+// of the valid lanes (others exactly 0), the tile's weights summed in one fixed order, then V accumulated key
+// by key in order with FMAs.  A tile a query sees nothing of is skipped (adding exact zeros would change
+// nothing).  Which of the two sources a key comes from depends only on the query's own position.
+
+constexpr int PF_RB = 4;     // rows per score micro-block
+
+// s[k][t] = sum_c qs[k][c] * KT[c][t] for PF_RB rows, t < TILE (KT: one tile, [D][TILE])
+inline void pf_scores(const float* qs, int D, const float* KT, float* s) {
+  constexpr int NV = TILE / W;
+  vf acc[PF_RB][NV];
+  for (int k = 0; k < PF_RB; ++k)
+    for (int v = 0; v < NV; ++v) acc[k][v] = vf{};
+  for (int c = 0; c < D; ++c) {
+    vf kv[NV];
+    for (int v = 0; v < NV; ++v) kv[v] = vload(KT + c * TILE + v * W);
+    for (int k = 0; k < PF_RB; ++k) {
+      const vf qb = vbc(qs[k * MAX_D + c]);
+      for (int v = 0; v < NV; ++v) acc[k][v] = vfma(qb, kv[v], acc[k][v]);
+    }
+  }
+  for (int k = 0; k < PF_RB; ++k)
+    for (int v = 0; v < NV; ++v) vstore(s + k * TILE + v * W, acc[k][v]);
+}
+
+// acc[k][c] += sum_t w[k][t] * V_t[c], t in order, for PF_RB rows; vrow(k, t): row k's value row of key t
+template <class VRow>
+inline void pf_values(float* acc, int D, const float* w, int t_lo, int t_hi, const VRow& vrow) {
+  constexpr int CB = 4 * W;  // channels per register block: PF_RB x 4 accumulators
+  for (int c0 = 0; c0 < D; c0 += CB) {
+    const int nv = (D - c0) < CB ? (D - c0) / W : 4;
+    vf a[PF_RB][4];
+    for (int k = 0; k < PF_RB; ++k)
+      for (int v = 0; v < nv; ++v) a[k][v] = vload(acc + k * MAX_D + c0 + v * W);
+    for (int t = t_lo; t < t_hi; ++t) {
+      for (int k = 0; k < PF_RB; ++k) {
+        const vf wb = vbc(w[k * TILE + t]);  // 0 for a masked key: adds exact zeros
+        const float* vr = vrow(k, t) + c0;
+        for (int v = 0; v < nv; ++v) a[k][v] = vfma(wb, vload(vr + v * W), a[k][v]);
+      }
+    }
+    for (int k = 0; k < PF_RB; ++k)
+      for (int v = 0; v < nv; ++v) vstore(acc + k * MAX_D + c0 + v * W, a[k][v]);
+  }
+}
+
+template <int DT>
+void prefill_item_t(const PrefillArgs& a, int64_t item) {
+  const int D = DT ? DT : a.D;
+  const int g = a.g;
+  const int64_t rows = (int64_t)a.Tq * g;
+  const int64_t ngroups = (rows + PF_ROWS - 1) / PF_ROWS;
+  const int h = (int)(item / ngroups);
+  const int64_t r0 = (item % ngroups) * PF_ROWS;
+  const int nr = (int)(rows - r0 < PF_ROWS ? rows - r0 : PF_ROWS);
+  const int nrp = (nr + PF_RB - 1) / PF_RB * PF_RB;  // padded to whole micro-blocks (padding rows see nothing)
+
+  alignas(64) float qs[PF_ROWS * MAX_D];
+  alignas(64) float acc[PF_ROWS * MAX_D];
+  alignas(64) float sd[PF_RB * TILE], sx[PF_RB * TILE], w[PF_RB * TILE];
+  float m[PF_ROWS], l[PF_ROWS];
+  int64_t pos[PF_ROWS], ex[PF_ROWS];  // the query's position; its first exactly-read key
+  int64_t pmax = -1;
+  for (int k = 0; k < nrp; ++k) {
+    m[k] = -__builtin_inff();
+    l[k] = 0.f;
+    for (int c = 0; c < D; ++c) acc[k * MAX_D + c] = 0.f;
+    if (k < nr) {
+      const int64_t r = r0 + k, i = r / g;
+      const float* q = a.q + (i * a.Hq + (int64_t)h * g + r % g) * D;
+      for (int c = 0; c < D; ++c) qs[k * MAX_D + c] = q[c] * a.scale;
+      pos[k] = a.offset + i;
+      ex[k] = pos[k] < SINKS ? 0 : pos[k] / BLOCK * BLOCK;  // own block exact (block 0: the sinks)
+      pmax = pos[k] > pmax ? pos[k] : pmax;
+    } else {
+      for (int c = 0; c < D; ++c) qs[k * MAX_D + c] = 0.f;
+      pos[k] = -1;
+      ex[k] = 0;
+    }
+  }
+  const float* kdT = a.kdT + (int64_t)h * a.nd * D;  // [nd / TILE][D][TILE]
+  const float* vd = a.vd + (int64_t)h * a.nd * D;    // [nd][D]
+  const float* kxT = a.kxT + (int64_t)h * a.nx * D;
+  const float* vx = a.vx + (int64_t)h * a.nx * D;
+  const vf ninf = vbc(-__builtin_inff());
+
+  for (int64_t t0 = 0; t0 <= pmax; t0 += TILE) {
+    for (int k0 = 0; k0 < nrp; k0 += PF_RB) {
+      const int64_t* P = pos + k0;
+      const int64_t* E = ex + k0;
+      int64_t bp = -1, be = 0, le = INT64_MAX;
+      for (int k = 0; k < PF_RB; ++k) {
+        bp = P[k] > bp ? P[k] : bp;
+        if (P[k] >= 0) {
+          be = E[k] > be ? E[k] : be;
+          le = E[k] < le ? E[k] : le;
+        }
+      }
+      if (t0 > bp) continue;  // no row of the micro-block sees this tile
+      const bool dec = t0 < be, exa = t0 + TILE > le;  // some row reads decoded / exact keys here
+      if (dec) pf_scores(qs + k0 * MAX_D, D, kdT + t0 * D, sd);
+      if (exa) pf_scores(qs + k0 * MAX_D, D, kxT + (t0 - a.x0) * D, sx);
+      int t_lo = TILE, t_hi = 0;
+      for (int k = 0; k < PF_RB; ++k) {
+        float* wk = w + k * TILE;
+        const int64_t p = P[k], e = E[k];
+        const int hi = (int)(p - t0 + 1 < TILE ? p - t0 + 1 : TILE);  // valid lanes [0, hi)
+        if (hi <= 0) {
+          for (int t = 0; t < TILE; ++t) wk[t] = 0.f;
+          continue;
+        }
+        const int split = (int)(e - t0 < 0 ? 0 : (e - t0 < TILE ? e - t0 : TILE));  // decoded lanes [0, split)
+        if (hi == TILE && (split == TILE || split == 0)) {  // one source, every lane valid (most tiles)
+          const float* src = (split ? sd : sx) + k * TILE;
+          for (int v = 0; v < TILE; v += W) vstore(wk + v, vload(src + v));
+        } else {
+          for (int t = 0; t < TILE; ++t)
+            wk[t] = t >= hi ? -__builtin_inff() : (t < split ? sd[k * TILE + t] : sx[k * TILE + t]);
+        }
+        vf mv = ninf;
+        for (int v = 0; v < TILE; v += W) mv = vmax(mv, vload(wk + v));
+        float tm = mv[0];
+        for (int i = 1; i < W; ++i) tm = mv[i] > tm ? mv[i] : tm;
+        float* mk = m + k0 + k;
+        if (tm > *mk) {
+          const float alpha = __builtin_expf(*mk - tm);  // 0 for the first tile a row sees
+          l[k0 + k] *= alpha;
+          float* ak = acc + (k0 + k) * MAX_D;
+          const vf ab = vbc(alpha);
+          for (int c = 0; c < D; c += W) vstore(ak + c, vload(ak + c) * ab);
+          *mk = tm;
+        }
+        const vf mb = vbc(*mk);
+        vf sum = vf{};
+        for (int v = 0; v < TILE; v += W) {
+          const vf s = vload(wk + v);
+          vf e_ = vexp(s - mb);
+          e_ = s == ninf ? vf{} : e_;  // vexp clamps: masked lanes must be exactly 0
+          vstore(wk + v, e_);
+          sum += e_;
+        }
+        l[k0 + k] += hsum(sum);
+        t_lo = 0;
+        t_hi = hi > t_hi ? hi : t_hi;
+      }
+      if (t_hi == 0) continue;
+      float* ab = acc + k0 * MAX_D;
+      if (t0 + TILE <= le) {  // every row's keys here decoded: one value row for all
+        pf_values(ab, D, w, t_lo, t_hi, [&](int, int t) { return vd + (t0 + t) * D; });
+      } else {
+        pf_values(ab, D, w, t_lo, t_hi, [&](int k, int t) {  // (a padding row: any row in bounds, weight 0)
+          const int64_t x = t0 + t;
+          return x < E[k] || x < a.x0 ? vd + x * D : vx + (x - a.x0) * D;
+        });
+      }
+    }
+  }
+  for (int k = 0; k < nr; ++k) {
+    const int64_t r = r0 + k, i = r / g;
+    float* o = a.out + (i * a.Hq + (int64_t)h * g + r % g) * D;
+    const float inv = l[k];
+    for (int c = 0; c < D; ++c) o[c] = acc[k * MAX_D + c] / inv;
+  }
+}
+
+void prefill_item(const PrefillArgs& a, int64_t item) {
+  switch (a.D) {
+    case 64: prefill_item_t<64>(a, item); break;
+    case 128: prefill_item_t<128>(a, item); break;
+    default: prefill_item_t<0>(a, item); break;
+  }
+}
