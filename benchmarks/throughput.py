@@ -12,7 +12,8 @@ Per format and shape (`IN-OUT:PROMPTS`), one offline `vllm bench throughput` run
 tokens/s, total tokens/s and the KV capacity vLLM logs), then, with --serve-shape, a real server and
 `vllm bench serve` at --concurrency (TTFT / TPOT / output throughput). Each tool is run as a subprocess,
 exactly as a user would; their JSON and logs are kept under --out/throughput-runs/. A format vLLM
-refuses is recorded with the reason and the run goes on. Results: throughput.json / .md / .png; with
+refuses is recorded with the reason and the run goes on. Results: throughput.json / .md / .png (with a --name
+other than smollm2-cpu, e.g. smollm2-cpu-avx512bf16 on another CPU class: throughput-<name>.*); with
 the default --out, ``throughput.<name>.<in>-<out>.<format>.output_tok_s`` and ``.kv_tokens`` are merged
 into benchmarks/results/headline.json.
 """
@@ -114,7 +115,10 @@ def bench_serve(args, fmt: str, shape: tuple[int, int, int], rundir: Path) -> di
 def write_markdown(rep: dict, path: Path) -> None:
     st = rep["settings"]
     lines = [f"# Throughput with vLLM's bench tools ({st['name']})", "", f"Command: `{rep['run']['command']}`  ",
-             f"Machine: {rep['run']['machine'].get('gpu') or rep['run']['machine']['cpu']}, {rep['run']['time']}  ",
+             f"Machine: {rep['run']['machine'].get('gpu') or rep['run']['machine']['cpu']}"
+             + ("" if rep['run']['machine'].get('gpu') else f" ({rep['run']['machine'].get('cpu_count')} CPUs, class "
+                f"{rep['run']['machine'].get('cpu_class')}; SIMD {' '.join(rep['run']['machine'].get('cpu_simd') or [])})")
+             + f", {rep['run']['time']}  ",
              f"vLLM: `{st['vllm']}` {st.get('vllm_version', '')}", ""]
     names = dict(zip(rep["offline"], st.get("shape_names") or []))
     lines += [f"Engine: `{' '.join(st.get('engine_args', []))}`; CPU settings: "
@@ -173,19 +177,25 @@ def plot(rep: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def rerender(out: Path) -> None:
+def stem(name: str) -> str:
+    """Results file stem: throughput for the default tag (smollm2-cpu, the AVX2 machine's figures), else
+    throughput-<name> (e.g. smollm2-cpu-avx512bf16: a run on another machine class keeps the first one's files)."""
+    return "throughput" if name == "smollm2-cpu" else f"throughput-{name}"
+
+
+def rerender(out: Path, name: str = "smollm2-cpu") -> None:
     """The tables and plot again from a finished run (an error re-read from its kept log)."""
-    rep = json.loads((out / "throughput.json").read_text())
+    rep = json.loads((out / f"{stem(name)}.json").read_text())
     for key, fm in rep["offline"].items():
         i, o = key.split(":")[0].split("-")
         for fmt, r in fm.items():
-            log = out / "throughput-runs" / f"throughput-{fmt}-{i}-{o}.log"
+            log = out / f"{stem(name)}-runs" / f"throughput-{fmt}-{i}-{o}.log"
             if "error" in r and log.is_file():
                 r["error"] = error_line(log.read_text(), 1)
-    write_json(out / "throughput.json", rep)
-    write_markdown(rep, out / "throughput.md")
-    plot(rep, out / "throughput.png")
-    print((out / "throughput.md").read_text())
+    write_json(out / f"{stem(name)}.json", rep)
+    write_markdown(rep, out / f"{stem(name)}.md")
+    plot(rep, out / f"{stem(name)}.png")
+    print((out / f"{stem(name)}.md").read_text())
 
 
 def main(argv=None):
@@ -222,7 +232,7 @@ def main(argv=None):
                    help="rewrite throughput.md/.png from --out's throughput.json and its logs (no runs)")
     args = p.parse_args(argv)
     if args.rerender:
-        return rerender(Path(args.out))
+        return rerender(Path(args.out), args.name)
 
     from vllm_temporalkv.models import resolve_model
 
@@ -238,7 +248,7 @@ def main(argv=None):
     if args.shape_names and len(args.shape_names) != len(args.shapes):
         p.error("--shape-names needs one name per --shapes entry")
     out = Path(args.out)
-    rundir = out / "throughput-runs"
+    rundir = out / f"{stem(args.name)}-runs"
     rundir.mkdir(parents=True, exist_ok=True)
     if args.synthetic_artifact:
         args.artifact = str(synthetic_artifact(args.model, args.formats, rundir / f"synthetic-{args.name}.safetensors"))
@@ -257,7 +267,7 @@ def main(argv=None):
             rep["offline"][key][fmt] = r = bench_throughput(args, fmt, shape, rundir)
             print(f"throughput {key} {fmt:22} " + (r["error"] if "error" in r else
                   f"{r['output_tok_s']:.1f} out tok/s, KV {r['kv_tokens']} tokens"), flush=True)
-            write_json(out / "throughput.json", rep)
+            write_json(out / f"{stem(args.name)}.json", rep)
     if not args.no_serve:
         i, o, n = args.serve_shape or args.shapes[-1]
         n = args.serve_prompts or n
@@ -272,10 +282,10 @@ def main(argv=None):
             print(f"serve {key} {fmt:22} " + (r["error"] if "error" in r else
                   f"{r['output_throughput']:.1f} out tok/s, TTFT {r['mean_ttft_ms']:.0f} ms, TPOT {r['mean_tpot_ms']:.1f} ms"),
                   flush=True)
-            write_json(out / "throughput.json", rep)
-    write_json(out / "throughput.json", rep)
-    write_markdown(rep, out / "throughput.md")
-    plot(rep, out / "throughput.png")
+            write_json(out / f"{stem(args.name)}.json", rep)
+    write_json(out / f"{stem(args.name)}.json", rep)
+    write_markdown(rep, out / f"{stem(args.name)}.md")
+    plot(rep, out / f"{stem(args.name)}.png")
     if is_results(out):
         figs = {}
         for key, fm in rep["offline"].items():
@@ -292,7 +302,7 @@ def main(argv=None):
                 if "error" not in r and base and f != "auto":
                     figs[f"throughput.{args.name}.{name}.{f}.ratio_vs_auto"] = r["output_tok_s"] / base
         merge_headline(figs, HEADLINE)
-    print((out / "throughput.md").read_text())
+    print((out / f"{stem(args.name)}.md").read_text())
 
 
 if __name__ == "__main__":

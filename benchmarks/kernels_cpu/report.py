@@ -18,7 +18,7 @@ def row_key(r: dict, dt: str = "bf16") -> str:
     return k if dt == "bf16" else f"{dt}-{k}"
 
 
-def headline_figures(report: dict) -> dict:
+def headline_figures(report: dict, prefix: str = "cpu") -> dict:
     out = {}
     for r in report["rows"]:
         if r["format"] not in HEADLINE_FORMATS or not r["check_ok"]:
@@ -29,7 +29,7 @@ def headline_figures(report: dict) -> dict:
         for metric in ("speedup_vs_vllm", "speedup_vs_torch"):
             if r.get(metric) is not None and (metric != "speedup_vs_vllm" or r.get("vllm_check_ok")):
                 name = f"speedup_vs_vllm_{dt}" if metric == "speedup_vs_vllm" else metric
-                out[f"kernels.cpu.{row_key(r, dt)}.{r['format']}.{name}"] = r[metric]
+                out[f"kernels.{prefix}.{row_key(r, dt)}.{r['format']}.{name}"] = r[metric]
     return out
 
 

@@ -9,7 +9,7 @@ import torch
 
 from vllm_temporalkv.ops import cpu as cpu_ops
 
-from ..common import merge_headline, run_record, write_json
+from ..common import is_results, merge_headline, run_record, write_json
 from ..kernel_common import SHAPES, check_block_geometry, make_layer_cache
 from ..timers import CpuTimer, bandwidth
 from .config import DTYPES, cpu_facts
@@ -42,7 +42,10 @@ def run(a) -> dict:
                   cpp_supported_isas=cpu_ops.supported_isas(), cpp_load_error=cpu_ops._LOAD_ERROR,
                   vllm=None, timer=timer.mode, bandwidth=bw, rows=[], run=run_record())
     out = Path(a.out)
-    stem = "kernels-cpu" if a.dtype == "bf16" else f"kernels-cpu-{a.dtype}"
+    # the first figures came from an AVX2 machine (kernels-cpu.*, headline kernels.cpu.*); another class's run
+    # keeps its own files and keys (kernels-cpu-avx512bf16.*, kernels.cpu-avx512bf16.*)
+    cls = "" if machine.get("cpu_class") == "avx2" else f"-{machine.get('cpu_class')}"
+    stem = f"kernels-cpu{cls}" + ("" if a.dtype == "bf16" else f"-{a.dtype}")
     configs = [(B, L, 1) for B in a.batch for L in a.context]
     if a.prefill:
         Q, O = (int(x) for x in a.prefill.split("@"))
@@ -64,7 +67,8 @@ def run(a) -> dict:
                 report["rows"].append(r)
                 _print_row(r)
                 write_json(out / f"{stem}.json", report)  # partial results survive an interruption
-    report["headline"] = None if a.smoke or a.no_headline else headline_figures(report)
+    report["headline"] = (None if a.smoke or a.no_headline or not is_results(out)
+                          else headline_figures(report, "cpu" + cls))
     write_json(out / f"{stem}.json", report)
     md = markdown(report)
     (out / f"{stem}.md").write_text(md)

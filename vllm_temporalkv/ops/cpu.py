@@ -17,7 +17,9 @@ Ops (each the twin of the torch path in ``paged_torch``, which stays the oracle)
   ``paged_torch.write_kv`` (exhaustive nearest-centroid search under the codec contract).
 * ``nearest(vecs, centroids)``: the codec contract's argmin (registered for "cpu" tensors on load).
 * ``paged_attention(...)``: the signature of ``paged_torch.paged_attention``; decode requests go to the
-  fused kernel (unless ``batch_invariant``), the others to the torch attention on C++-gathered K/V.
+  fused kernel (unless ``batch_invariant``), the others to the prefill kernel on C++-gathered K/V.
+* ``prefill_attention(...)``: a prefill chunk's attention (csrc/prefill_impl.h): its queries over the decoded
+  context and their own blocks' exact keys in one pass, float32, GQA without K/V copies, chunk-invariant.
 * ``forward(...)``: a layer's step (attention + cache update), the backend's entry point; a prefill chunk
   is written first and its completed blocks read back decoded, so they are encoded once.
 
@@ -326,8 +328,8 @@ def paged_attention(
 
     Requests with one query token go to the fused decode kernel in one call (float32; with
     ``batch_invariant`` they stay on the float64 torch attention, whose result does not depend on
-    batching); the others (prefill chunks) attend with the torch path on K/V gathered by the C++
-    decoder (bit-identical to the torch gather)."""
+    batching); the others (prefill chunks) attend with the C++ prefill kernel (``attend_fast``) on K/V
+    gathered by the C++ decoder (bit-identical to the torch gather)."""
     if not supports(lc, pages):
         return paged_torch.paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens,
                                            block_tables, scale, out, batch_invariant, exact=exact)
@@ -335,10 +337,21 @@ def paged_attention(
         out = torch.empty_like(query)
     rest = list(range(seq_lens.shape[0])) if batch_invariant else _attend_decodes(
         lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out, exact)[0]
-    if rest:  # prefill chunks: the torch attention on K/V the C++ decoder gathered
+    if rest:  # prefill chunks: the C++ prefill kernel on K/V the C++ decoder gathered
         paged_torch.paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale,
-                                    out, batch_invariant, requests=rest, gather=gather_kv, exact=exact)
+                                    out, batch_invariant, requests=rest, gather=gather_kv, exact=exact,
+                                    attend_fast=attend_fast)
     return out
+
+
+def attend_fast(q, k_exact, v_exact, k_dec, v_dec, scale, offset, window: int = 0):
+    """``paged_torch._attend_fast``'s twin (its arguments: full-length exact and decoded K/V) on the C++ prefill
+    kernel; a recent window stays on the torch one."""
+    if window:
+        return paged_torch._attend_fast(q, k_exact, v_exact, k_dec, v_dec, scale, offset, window)
+    x = 0 if offset < SINK_TOKENS else offset // BLOCK_TOKENS * BLOCK_TOKENS
+    n = offset + q.shape[0]
+    return prefill_attention(q, k_dec, v_dec, k_exact[x:n], v_exact[x:n], x, offset, scale)
 
 
 @torch.no_grad()

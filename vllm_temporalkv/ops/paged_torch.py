@@ -503,6 +503,7 @@ def paged_attention(
     requests=None,
     gather=None,
     exact: ExactPages | None = None,
+    attend_fast=None,
 ) -> torch.Tensor:
     """query [T, Hq, D] and this step's key/value [T, Hkv, D] for a batch of requests laid out by
     query_start_loc [R + 1]; seq_lens [R] count cached + new tokens. Returns [T, Hq, D].
@@ -511,7 +512,7 @@ def paged_attention(
     batching (the oracle); otherwise float32 with torch's fused flash attention (the serving default).
     requests: only these request indices (others' rows of ``out`` untouched); gather: a twin of
     ``gather_kv`` (the C++ one) - how the fast paths reuse this attention for prefill chunks; ``exact``: small
-    pages' exact pages (``ExactPages``)."""
+    pages' exact pages (``ExactPages``); attend_fast: a twin of ``_attend_fast`` (the C++ prefill kernel's)."""
     if out is None:
         out = torch.empty_like(query)
     qsl = query_start_loc.tolist()
@@ -536,7 +537,7 @@ def paged_attention(
         if hi > lo:
             Kd, Vd = K.clone(), V.clone()
             Kd[lo:hi], Vd[lo:hi] = _decoded_blocks(lc, K, V, lo, hi)
-        attend = _attend if batch_invariant else _attend_fast
+        attend = _attend if batch_invariant else attend_fast or _attend_fast
         out[a:b] = attend(query[a:b], K, V, Kd, Vd, scale, ctx, W).to(out.dtype)
     return out
 
