@@ -117,6 +117,11 @@ struct PrefillArgs {
   const float* vx;     // [H, nx, D]
   int64_t x0, nx;      // multiples of TILE; x0 <= the first query's own-block start, x0 + nx > the last query
   float* out;          // [Tq, Hq, D]
+  // bf16 scores (a bf16 model, where q and K hold bf16 values: AVX512_BF16 dot products, exact products summed
+  // in float32): q16 [Tq, Hq, D] and the keys [H, n / TILE, D / 2, TILE, 2] as bf16 bits; q, kdT, kxT unused
+  const uint16_t* q16 = nullptr;
+  const uint16_t* kdT16 = nullptr;
+  const uint16_t* kxT16 = nullptr;
 };
 
 // The entry points every ISA unit defines (namespace tkv::<isa>).

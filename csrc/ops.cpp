@@ -427,12 +427,34 @@ void write_kv(const at::Tensor& pages, const at::Tensor& kh, const at::Tensor& v
   (void)bs;
 }
 
+// Whether prefill_attention can take bf16 scores here: the avx512 kernels in use on a CPU with AVX512_BF16.
+bool bf16_dot() {
+#ifdef TKV_X86
+  __builtin_cpu_init();
+  return g_kernels == &avx512::kernels && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 // A prefill chunk's attention (PrefillArgs): q [Tq, Hq, D]; decoded keys kdT [H, nd / TILE, D, TILE] (tile-major)
 // and values vd [H, nd, D] of positions 0 ..; exact ones kxT / vx likewise of positions x0 ..; all float32.
+// With q16 non-empty (bf16_dot()): the scores from bf16 q16 [Tq, Hq, D] and keys kdT / kxT as bf16
+// [H, n / TILE, D / 2, TILE, 2] (PrefillArgs); q still float32 [Tq, Hq, D].
 void prefill_attention(const at::Tensor& q, const at::Tensor& kdT, const at::Tensor& vd, const at::Tensor& kxT,
-                       const at::Tensor& vx, int64_t offset, int64_t x0, double scale, at::Tensor& out) {
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &kdT, &vd, &kxT, &vx, &out})
+                       const at::Tensor& vx, int64_t offset, int64_t x0, double scale, at::Tensor& out,
+                       const at::Tensor& q16) {
+  const bool b16 = q16.numel() > 0;
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &vd, &vx, &out})
     check_f32(*t, "prefill argument");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&kdT, &kxT, &q16}) {
+    if (b16 || t != &q16)
+      TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() &&
+                      t->scalar_type() == (b16 ? at::kBFloat16 : at::kFloat),
+                  "prefill keys: contiguous CPU tensors, bfloat16 with q16, else float32");
+  }
+  TORCH_CHECK(!b16 || bf16_dot(), "bf16 prefill scores need the avx512 kernels on a CPU with AVX512_BF16");
+  TORCH_CHECK(!b16 || q16.sizes() == q.sizes(), "q16: [Tq, Hq, D] like q");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out: [Tq, Hq, D]");
   const int64_t Tq = q.size(0), Hq = q.size(1), D = q.size(2);
   TORCH_CHECK(D % 32 == 0 && D <= MAX_D, "head_dim must be a multiple of 32 and at most ", MAX_D);
@@ -455,14 +477,21 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kdT, const at::Ten
   a.offset = offset;
   a.scale = (float)scale;
   a.q = q.data_ptr<float>();
-  a.kdT = kdT.data_ptr<float>();
   a.vd = vd.data_ptr<float>();
   a.nd = nd;
-  a.kxT = kxT.data_ptr<float>();
   a.vx = vx.data_ptr<float>();
   a.x0 = x0;
   a.nx = nx;
   a.out = out.data_ptr<float>();
+  if (b16) {
+    a.q16 = reinterpret_cast<const uint16_t*>(q16.data_ptr<at::BFloat16>());
+    a.kdT16 = reinterpret_cast<const uint16_t*>(kdT.data_ptr<at::BFloat16>());
+    a.kxT16 = reinterpret_cast<const uint16_t*>(kxT.data_ptr<at::BFloat16>());
+    a.kdT = a.kxT = nullptr;
+  } else {
+    a.kdT = kdT.data_ptr<float>();
+    a.kxT = kxT.data_ptr<float>();
+  }
   const int64_t groups = (Tq * a.g + PF_ROWS - 1) / PF_ROWS;
   const Kernels* kern = g_kernels;
   parallel_items(H * groups, [&](int64_t i) { kern->prefill_item(a, i); });
@@ -503,7 +532,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &tkv::write_kv, py::call_guard<py::gil_scoped_release>());
   m.def("nearest", &tkv::nearest, py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention", &tkv::prefill_attention, py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_dot", &tkv::bf16_dot, "whether prefill_attention takes bf16 scores here (avx512 + AVX512_BF16)");
   m.attr("TILE") = tkv::TILE;
   // bumped whenever an op's arguments change: ops/cpu.py refuses (and says so) a stale build
-  m.attr("ABI_VERSION") = 7;
+  m.attr("ABI_VERSION") = 8;
 }

@@ -34,6 +34,31 @@ inline void pf_scores(const float* qs, int D, const float* KT, float* s) {
     for (int v = 0; v < NV; ++v) vstore(s + k * TILE + v * W, acc[k][v]);
 }
 
+#if TKV_W == 16
+// The same scores from bf16 pairs: s[k][t] = scale * sum over channel pairs (q[c] k_t[c] + q[c+1] k_t[c+1]), one
+// VDPBF16PS per 16 keys and pair (exact products, float32 sums); qp: each row's (q[c], q[c+1]) bits as one
+// uint32, KT: one tile [D/2][TILE][2].  Not inlined into its caller (compiled without AVX512_BF16): one call
+// per tile and micro-block.
+__attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"))) void pf_scores_bf16(
+    const uint32_t* qp, int D, const uint16_t* KT, float scale, float* s) {
+  __m512 acc[PF_RB][2];
+  for (int k = 0; k < PF_RB; ++k) acc[k][0] = acc[k][1] = _mm512_setzero_ps();
+  for (int c2 = 0; c2 < D / 2; ++c2) {
+    const __m512i k0 = _mm512_loadu_si512(KT + c2 * 2 * TILE), k1 = _mm512_loadu_si512(KT + c2 * 2 * TILE + 32);
+    for (int k = 0; k < PF_RB; ++k) {
+      const __m512i qb = _mm512_set1_epi32((int)qp[k * (MAX_D / 2) + c2]);
+      acc[k][0] = _mm512_dpbf16_ps(acc[k][0], (__m512bh)qb, (__m512bh)k0);
+      acc[k][1] = _mm512_dpbf16_ps(acc[k][1], (__m512bh)qb, (__m512bh)k1);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int k = 0; k < PF_RB; ++k) {
+    _mm512_storeu_ps(s + k * TILE, _mm512_mul_ps(acc[k][0], sc));
+    _mm512_storeu_ps(s + k * TILE + 16, _mm512_mul_ps(acc[k][1], sc));
+  }
+}
+#endif
+
 // acc[k][c] += sum_t w[k][t] * V_t[c], t in order, for PF_RB rows; vrow(k, t): row k's value row of key t
 template <class VRow>
 inline void pf_values(float* acc, int D, const float* w, int t_lo, int t_hi, const VRow& vrow) {
@@ -67,6 +92,8 @@ void prefill_item_t(const PrefillArgs& a, int64_t item) {
   const int nrp = (nr + PF_RB - 1) / PF_RB * PF_RB;  // padded to whole micro-blocks (padding rows see nothing)
 
   alignas(64) float qs[PF_ROWS * MAX_D];
+  alignas(64) uint32_t qp[PF_ROWS * MAX_D / 2];  // bf16 scores: the rows' channel pairs
+  const bool b16 = a.q16 != nullptr;
   alignas(64) float acc[PF_ROWS * MAX_D];
   alignas(64) float sd[PF_RB * TILE], sx[PF_RB * TILE], w[PF_RB * TILE];
   float m[PF_ROWS], l[PF_ROWS];
@@ -80,11 +107,13 @@ void prefill_item_t(const PrefillArgs& a, int64_t item) {
       const int64_t r = r0 + k, i = r / g;
       const float* q = a.q + (i * a.Hq + (int64_t)h * g + r % g) * D;
       for (int c = 0; c < D; ++c) qs[k * MAX_D + c] = q[c] * a.scale;
+      if (b16) __builtin_memcpy(qp + k * (MAX_D / 2), a.q16 + (q - a.q), sizeof(uint16_t) * D);
       pos[k] = a.offset + i;
       ex[k] = pos[k] < SINKS ? 0 : pos[k] / BLOCK * BLOCK;  // own block exact (block 0: the sinks)
       pmax = pos[k] > pmax ? pos[k] : pmax;
     } else {
       for (int c = 0; c < D; ++c) qs[k * MAX_D + c] = 0.f;
+      for (int c = 0; c < D / 2; ++c) qp[k * (MAX_D / 2) + c] = 0u;
       pos[k] = -1;
       ex[k] = 0;
     }
@@ -109,8 +138,16 @@ void prefill_item_t(const PrefillArgs& a, int64_t item) {
       }
       if (t0 > bp) continue;  // no row of the micro-block sees this tile
       const bool dec = t0 < be, exa = t0 + TILE > le;  // some row reads decoded / exact keys here
-      if (dec) pf_scores(qs + k0 * MAX_D, D, kdT + t0 * D, sd);
-      if (exa) pf_scores(qs + k0 * MAX_D, D, kxT + (t0 - a.x0) * D, sx);
+#if TKV_W == 16
+      if (b16) {
+        if (dec) pf_scores_bf16(qp + k0 * (MAX_D / 2), D, a.kdT16 + (int64_t)h * a.nd * D + t0 * D, a.scale, sd);
+        if (exa) pf_scores_bf16(qp + k0 * (MAX_D / 2), D, a.kxT16 + (int64_t)h * a.nx * D + (t0 - a.x0) * D, a.scale, sx);
+      } else
+#endif
+      {
+        if (dec) pf_scores(qs + k0 * MAX_D, D, kdT + t0 * D, sd);
+        if (exa) pf_scores(qs + k0 * MAX_D, D, kxT + (t0 - a.x0) * D, sx);
+      }
       int t_lo = TILE, t_hi = 0;
       for (int k = 0; k < PF_RB; ++k) {
         float* wk = w + k * TILE;

@@ -409,9 +409,11 @@ def _prefill_dense(q, ke, ve, kd, vd, scale, offset):
     return (od + oe).transpose(0, 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("H,G,D", [(3, 3, 64), (2, 4, 128), (1, 1, 96)])
-def test_prefill_attention_definition_chunking_and_isas(H, G, D, isa):
-    """ops.cpu.prefill_attention (a prefill chunk's attention, csrc/prefill_impl.h) on every ISA variant: equal to
+def test_prefill_attention_definition_chunking_and_isas(H, G, D, dtype, isa):
+    """ops.cpu.prefill_attention (a prefill chunk's attention, csrc/prefill_impl.h) on every ISA variant, float32
+    and bf16 inputs (bf16 on the avx512 variant of an AVX512_BF16 CPU: the scores as bf16 dot products): equal to
     its float64 definition within float32 rounding, and to the torch path's _attend_fast; every query's output bit
     for bit the same however the prompt is cut into chunks (cuts inside the sinks, inside blocks, on and off the
     32-key tiles, one-token chunks)."""
@@ -419,14 +421,18 @@ def test_prefill_attention_definition_chunking_and_isas(H, G, D, isa):
 
     g = torch.Generator().manual_seed(21)
     n = 700
-    q = torch.randn(n, H * G, D, generator=g)
-    ke, ve, kd, vd = (torch.randn(n, H, D, generator=g) for _ in range(4))
+    q = torch.randn(n, H * G, D, generator=g).to(dtype)
+    ke, ve, kd, vd = (torch.randn(n, H, D, generator=g).to(dtype) for _ in range(4))
     kd[300:340] *= 6  # large decoded scores
     own = lambda p: 0 if p < 8 else p // 8 * 8  # noqa: E731
-    outs = []
-    for cuts in ([0, n], [0, 3, 8, 9, 31, 32, 64, 100, 333, n], [0, 1, 2, 250, 512, 699, n]):
-        outs.append(torch.cat([cpu.prefill_attention(q[a:b], kd[:b], vd[:b], ke[own(a):b], ve[own(a):b], own(a), a,
-                                                     D ** -0.5) for a, b in zip(cuts, cuts[1:])]))
+
+    def attend(a, b, offset=None):
+        o = torch.empty(b - a, H * G, D)  # float32 out: the kernel's own result, not its rounding to bf16
+        x = own(a)
+        return cpu.prefill_attention(q[a:b], kd[:b], vd[:b], ke[x:b], ve[x:b], x, a, D ** -0.5, out=o)
+
+    outs = [torch.cat([attend(a, b) for a, b in zip(cuts, cuts[1:])])
+            for cuts in ([0, n], [0, 3, 8, 9, 31, 32, 64, 100, 333, n], [0, 1, 2, 250, 512, 699, n])]
     want = _prefill_dense(q, ke, ve, kd, vd, D ** -0.5, 0)
     assert (outs[0].double() - want).abs().max() <= 2e-5 * want.abs().max()
     fast = _attend_fast(q, ke, ve, kd, vd, D ** -0.5, 0)
@@ -434,10 +440,12 @@ def test_prefill_attention_definition_chunking_and_isas(H, G, D, isa):
     for o in outs[1:]:
         assert torch.equal(o, outs[0]), (o - outs[0]).abs().max()
     # a chunk in the middle of a context, against the definition at that offset
-    a = 421
-    got = cpu.prefill_attention(q[a:], kd, vd, ke[own(a):], ve[own(a):], own(a), a, D ** -0.5)
-    want = _prefill_dense(q[a:], ke, ve, kd, vd, D ** -0.5, a)
+    got = attend(421, n)
+    want = _prefill_dense(q[421:], ke, ve, kd, vd, D ** -0.5, 421)
     assert (got.double() - want).abs().max() <= 2e-5 * want.abs().max()
+    if dtype == torch.bfloat16 and cpu._C.bf16_dot():  # both score paths here: the same within float32 rounding
+        o32 = cpu.prefill_attention(q, kd, vd, ke, ve, 0, 0, D ** -0.5, out=torch.empty(n, H * G, D), bf16=False)
+        assert not torch.equal(o32, outs[0]) and (o32 - outs[0]).abs().max() <= 2e-5 * o32.abs().max()
 
 
 def test_prefill_attention_refuses_arrays_that_do_not_cover_the_chunk():
@@ -447,7 +455,15 @@ def test_prefill_attention_refuses_arrays_that_do_not_cover_the_chunk():
     k = torch.randn(100, 1, 64)
     with pytest.raises(RuntimeError, match="do not cover the chunk"):
         cpu._C.prefill_attention(q, torch.zeros(1, 1, 64, 32), torch.zeros(1, 32, 64), torch.zeros(1, 1, 64, 32),
-                                 torch.zeros(1, 32, 64), 60, 32, 0.125, torch.empty_like(q))
+                                 torch.zeros(1, 32, 64), 60, 32, 0.125, torch.empty_like(q),
+                                 torch.empty(0, dtype=torch.bfloat16))
+    before = cpu.isa()
+    try:  # bf16 scores asked for where they cannot run (the portable variant): refused, not wrong
+        cpu.set_isa("scalar")
+        with pytest.raises(RuntimeError, match="AVX512_BF16"):
+            cpu.prefill_attention(q.bfloat16(), k.bfloat16(), k, k.bfloat16(), k, 0, 0, 0.125, bf16=True)
+    finally:
+        cpu.set_isa(before)
     with pytest.raises(RuntimeError, match="multiple of the KV heads"):
         cpu.prefill_attention(torch.randn(4, 3, 64), k[:8].expand(8, 2, 64), k[:8].expand(8, 2, 64),
                               k[:8].expand(8, 2, 64), k[:8].expand(8, 2, 64), 0, 4, 0.125)
