@@ -5,7 +5,8 @@ A step of one layer, attention first and then the cache update, as the cache con
   from the codes (no per-request Python);
 * the others (prefill chunks) attend on the torch attention (``paged_torch.paged_attention`` for those requests:
   the context's blocks decoded once by a Triton kernel, ``triton_decode.gather_kv``, bit-identical to the torch
-  decode, then flash attention over them and the exact band);
+  decode, then flash attention over them and the exact band; on the CPU, in Triton's interpreter: the C++
+  prefill kernel, as the C++ path has it);
 * every new token is stored by ``triton_encode.write_kv`` (encode completed blocks, store the rest), bit-identical
   to ``paged_torch.write_kv``.
 
@@ -108,6 +109,15 @@ def plan_step(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, device, tab
 
 
 @torch.no_grad()
+def _cpu_prefill(query: torch.Tensor):
+    """The C++ prefill attention for CPU tensors where the extension is loaded (else None: the torch one)."""
+    if query.device.type != "cpu":
+        return None
+    from . import cpu
+
+    return cpu.attend_fast if cpu.available() else None
+
+
 def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
             positions: torch.Tensor, page_ids: torch.Tensor, scale: float, out: torch.Tensor | None = None,
@@ -138,8 +148,11 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
             rows = plan.decode_rows
             out[rows] = decode_attention(lc, pages, query[rows], key[rows], value[rows], plan.query_start_loc,
                                          plan.seq_lens, block_tables[plan.decode_reqs], scale).to(out.dtype)
-        # prefill chunks (paged_attention skips empty ones)
+        # prefill chunks (paged_attention skips empty ones); on the CPU (Triton's interpreter) with the C++ prefill
+        # kernel the C++ path uses: the same inputs (bit-identical pages) then give the same outputs - 4-bit codes
+        # amplify another summation order's float32 rounding into ~0.1-nat logprob moves through 30 layers
         paged_torch.paged_attention(lc, pages, query, key, value, query_start_loc.cpu(), seq_lens, block_tables,
-                                    scale, out, batch_invariant=False, requests=plan.prefills, gather=gather_kv)
+                                    scale, out, batch_invariant=False, requests=plan.prefills, gather=gather_kv,
+                                    attend_fast=_cpu_prefill(query))
     write_kv(lc, pages, key, value, positions, page_ids)
     return out
