@@ -346,12 +346,18 @@ def paged_attention(
     return out
 
 
+def _own_block(p: int) -> int:
+    """Where a query at position p starts reading keys exact: its own block (block 0, the sinks, for p < 8; the
+    sinks are exact in the gather too) - csrc/prefill_impl.h's rule."""
+    return 0 if p < SINK_TOKENS else p // BLOCK_TOKENS * BLOCK_TOKENS
+
+
 def attend_fast(q, k_exact, v_exact, k_dec, v_dec, scale, offset, window: int = 0):
     """``paged_torch._attend_fast``'s twin (its arguments: full-length exact and decoded K/V) on the C++ prefill
     kernel; a recent window stays on the torch one."""
     if window:
         return paged_torch._attend_fast(q, k_exact, v_exact, k_dec, v_dec, scale, offset, window)
-    x = 0 if offset < SINK_TOKENS else offset // BLOCK_TOKENS * BLOCK_TOKENS
+    x = _own_block(offset)
     n = offset + q.shape[0]
     return prefill_attention(q, k_dec, v_dec, k_exact[x:n], v_exact[x:n], x, offset, scale)
 
@@ -434,8 +440,7 @@ def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: floa
     hi = n // BLOCK_TOKENS * BLOCK_TOKENS
     m = max(hi, min(n, SINK_TOKENS))  # sinks and whole blocks: all in the pages now
     kg, vg = gather_kv(lc, pages, table, m, exact=exact)
-    # exact keys from the first query's own block (block 0: the sinks, exact in the gather too)
-    x = 0 if ctx < SINK_TOKENS else ctx // BLOCK_TOKENS * BLOCK_TOKENS
+    x = _own_block(ctx)  # exact keys from the first query's own block
     kx, vx = torch.cat([kg[x:e0], ke]), torch.cat([vg[x:e0], ve])
     prefill_attention(q, kg, vg, kx, vx, x, ctx, scale, out)
 
@@ -481,9 +486,7 @@ def prefill_attention(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, kx: t
     if Tq == 0:
         return out
     T = _C.TILE
-    last = offset + Tq - 1
-    own = 0 if last < SINK_TOKENS else last // BLOCK_TOKENS * BLOCK_TOKENS
-    nd = -(-own // T) * T
+    nd = -(-_own_block(offset + Tq - 1) // T) * T
     xt = x0 // T * T  # kx's rows from the tile x0 is in
     nx = -(-(offset + Tq) // T) * T - xt
     kdp, kxp = _padded(kd, 0, nd), _padded(kx, x0 - xt, nx)
