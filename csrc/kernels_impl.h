@@ -40,6 +40,11 @@ inline vf vfma(vf a, vf b, vf c) {
   return a * b + c;  // (two roundings: -ffp-contract=off; no FMA unit assumed)
 #endif
 }
+inline vi iota() {  // 0, 1, ..., W - 1
+  vi v;
+  for (int i = 0; i < W; ++i) v[i] = i;
+  return v;
+}
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline vf vmin(vf a, vf b) { return a < b ? a : b; }
 inline float hsum(vf v) {
@@ -213,6 +218,41 @@ inline void cent_copy(float* dst, const uint16_t* gb, int code) {
 #endif
 }
 
+// W channels [c0, c0 + W) of one token's channel codes (row[g]: the code of channel group g, L channels each;
+// cb: the head's centroids, group g's at cb + g * gstride) from the float16 table: W / L centroid vectors
+// side by side in one float16 -> float32 conversion
+template <int L>
+inline vf crow(const uint16_t* cb, int64_t gstride, const uint8_t* row, int c0) {
+  const int g0 = c0 / L;
+#if TKV_W >= 8
+  auto q8 = [&](int j) {  // the 8 float16 values of groups g0 + j.. (L = 8: one code; 4: two; 2: four)
+    const int g = g0 + j;
+    if (L == 8) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + g * gstride + row[g] * 8));
+    if (L == 4)
+      return _mm_unpacklo_epi64(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(cb + g * gstride + row[g] * 4)),
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(cb + (g + 1) * gstride + row[g + 1] * 4)));
+    int32_t w[4];
+    for (int e = 0; e < 4; ++e) __builtin_memcpy(w + e, cb + (g + e) * gstride + row[g + e] * 2, 4);
+    return _mm_setr_epi32(w[0], w[1], w[2], w[3]);
+  };
+#if TKV_W == 16
+  const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(q8(0)), q8(8 / L), 1);
+  return (vf)_mm512_cvtph_ps(h);
+#else
+  return (vf)_mm256_cvtph_ps(q8(0));
+#endif
+#else
+  vf x;
+  for (int e = 0; e < W; ++e) {
+    const int g = (c0 + e) / L;
+    x[e] = fp16_to_f32(cb[g * gstride + row[g] * L + (c0 + e) % L]);
+  }
+  (void)g0;
+  return x;
+#endif
+}
+
 // ---- codes -> normalized values of one block (8 tokens, one KV head) ----------------------------
 
 template <int L, class T>
@@ -235,6 +275,13 @@ inline void dec_channel_rows(const Codec& cd, const T* table, int h, int D, cons
   const int G = D / L;
   const int64_t gstride = (int64_t)cd.kc * L;
   const T* cb = table + (int64_t)h * G * gstride;
+  if constexpr (sizeof(T) == 2) {  // the float16 table: W channels per conversion (the same values)
+    if (D % W == 0) {
+      for (int c0 = 0; c0 < D; c0 += W)  // (channels outer: the groups' table addresses stay in registers)
+        for (int t = 0; t < BLOCK; ++t) vstore(dst + (int64_t)t * ld + c0, crow<L>(cb, gstride, codes + t * G, c0));
+      return;
+    }
+  }
   for (int t = 0; t < BLOCK; ++t) {
     const uint8_t* row = codes + t * G;
     const T* gb = cb;
@@ -421,24 +468,49 @@ inline v8 v8round(v8 x, int bf16) {  // bf16: 1 bfloat16, 0 float16, 2 no roundi
 #endif
 }
 
+#if TKV_W >= 8
+// the 8 float16 values of channel c of one block of temporal codes (8/L centroid vectors side by side)
+template <int L>
+inline __m128i traw(const uint16_t* gb, const uint8_t* codes, int D, int c) {
+  if (L == 8) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + codes[c] * 8));
+  if (L == 4)
+    return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + codes[c] * 4)),
+                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + codes[D + c] * 4)));
+  int32_t w0, w1, w2, w3;
+  __builtin_memcpy(&w0, gb + codes[c] * 2, 4);
+  __builtin_memcpy(&w1, gb + codes[D + c] * 2, 4);
+  __builtin_memcpy(&w2, gb + codes[2 * D + c] * 2, 4);
+  __builtin_memcpy(&w3, gb + codes[3 * D + c] * 2, 4);
+  return _mm_setr_epi32(w0, w1, w2, w3);
+}
+
+#endif
+
+// W consecutive tokens [t, t + W) of a tile (t a multiple of W) of channel c, from the blocks' temporal codes
+// bc[t / 8], ...: the fast decode's unit (16 tokens = two blocks in one float16 -> float32 conversion)
+template <int L>
+inline vf tvec(const uint16_t* gb, const uint8_t* const* bc, int t, int D, int c) {
+#if TKV_W == 16
+  const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(traw<L>(gb, bc[t / BLOCK], D, c)),
+                                            traw<L>(gb, bc[t / BLOCK + 1], D, c), 1);
+  return (vf)_mm512_cvtph_ps(h);
+#elif TKV_W == 8
+  return (vf)_mm256_cvtph_ps(traw<L>(gb, bc[t / BLOCK], D, c));
+#else
+  const uint8_t* codes = bc[t / BLOCK];
+  vf x;
+  for (int e = 0; e < W; ++e) {
+    const int u = t % BLOCK + e;  // token in its block
+    x[e] = fp16_to_f32(gb[codes[(u / L) * D + c] * L + u % L]);
+  }
+  return x;
+#endif
+}
+
 template <int L>
 inline v8 tblock(const uint16_t* gb, const uint8_t* codes, int D, int c) {
 #if TKV_W >= 8
-  __m128i x;
-  if (L == 8) {
-    x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + codes[c] * 8));
-  } else if (L == 4) {
-    x = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + codes[c] * 4)),
-                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + codes[D + c] * 4)));
-  } else {
-    int32_t w0, w1, w2, w3;
-    __builtin_memcpy(&w0, gb + codes[c] * 2, 4);
-    __builtin_memcpy(&w1, gb + codes[D + c] * 2, 4);
-    __builtin_memcpy(&w2, gb + codes[2 * D + c] * 2, 4);
-    __builtin_memcpy(&w3, gb + codes[3 * D + c] * 2, 4);
-    x = _mm_setr_epi32(w0, w1, w2, w3);
-  }
-  return _mm256_cvtph_ps(x);
+  return _mm256_cvtph_ps(traw<L>(gb, codes, D, c));
 #else
   float x[8];
   for (int j = 0; j < BLOCK / L; ++j)
@@ -492,10 +564,122 @@ inline void dec_temporal_kt(const Codec& cd, int h, int D, const uint8_t* codes,
     for (int m = 0; m < L; ++m) v8store(dst + (c0 + m) * TILE, tblock<L>(gb, codes, D, c0 + m));
 }
 
+// ---- the fast decode (exact=False): no model-dtype rounding to reproduce, so -------------------
+// V is accumulated in normalized space (denormalized once per split, in decode_merge), and K is decoded,
+// denormalized and rotated by its offset in the tile in one pass.  Both read W tokens of one channel at a
+// time (tvec); the blocks of a tile outside the valid range point at a valid block's codes (finite values
+// whose softmax weights are exactly 0).
+
+// acc[i][c][e] += p[i][t + e] * z[t + e][c], over a whole tile, for GB query heads; acc [GB][D][W]
+template <int L, int GB>
+inline void pv_temporal_z(float* acc, int64_t astride, const float* p, const uint8_t* const* bc,
+                          const uint16_t* cb, int64_t gstride, int D) {
+  const uint16_t* gb = cb;
+  for (int c0 = 0; c0 < D; c0 += L, gb += gstride) {
+    for (int m = 0; m < L; ++m) {
+      const int c = c0 + m;
+      vf a[GB];
+      for (int i = 0; i < GB; ++i) a[i] = vload(acc + i * astride + c * W);
+      for (int t = 0; t < TILE; t += W) {
+        const vf x = tvec<L>(gb, bc, t, D, c);
+        for (int i = 0; i < GB; ++i) a[i] = vfma(vload(p + i * TILE + t), x, a[i]);
+      }
+      for (int i = 0; i < GB; ++i) vstore(acc + i * astride + c * W, a[i]);
+    }
+  }
+}
+
+template <int L>
+inline void pv_temporal_z_any(float* acc, int g, int D, const float* p, const uint8_t* const* bc,
+                              const uint16_t* cb, int64_t gstride) {
+  const int64_t as = (int64_t)D * W;
+  int i = 0;
+  for (; i + 4 <= g; i += 4) pv_temporal_z<L, 4>(acc + i * as, as, p + i * TILE, bc, cb, gstride, D);
+  switch (g - i) {
+    case 3: pv_temporal_z<L, 3>(acc + i * as, as, p + i * TILE, bc, cb, gstride, D); break;
+    case 2: pv_temporal_z<L, 2>(acc + i * as, as, p + i * TILE, bc, cb, gstride, D); break;
+    case 1: pv_temporal_z<L, 1>(acc + i * as, as, p + i * TILE, bc, cb, gstride, D); break;
+    default: break;
+  }
+}
+
+// channel-chunked V: acc[i][c] += sum over the tile's tokens of p[i][t] * z[t][c], normalized space, each token's
+// row decoded W channels at a time straight into the FMAs (acc: the partial state's accz, stride astride).
+// CH chunks of W channels at once: GB * CH independent accumulator chains (one chain per head was bound by the
+// FMA latency, one token after the other)
+template <int L, int GB, int CH>
+inline void pv_channel_z(float* acc, int64_t astride, const float* p, const uint8_t* const* bc, int b0, int b1,
+                         const uint16_t* cb, int64_t gstride, int D) {
+  const int G = D / L;
+  for (int c0 = 0; c0 < D; c0 += CH * W) {
+    vf a[GB][CH];
+    for (int i = 0; i < GB; ++i)
+      for (int k = 0; k < CH; ++k) a[i][k] = vload(acc + i * astride + c0 + k * W);
+    for (int b = b0; b < b1; ++b) {
+      const uint8_t* row = bc[b];
+      const float* pb = p + b * BLOCK;
+      for (int t = 0; t < BLOCK; ++t, row += G) {
+        vf z[CH];
+        for (int k = 0; k < CH; ++k) z[k] = crow<L>(cb, gstride, row, c0 + k * W);
+        for (int i = 0; i < GB; ++i) {
+          const vf w = vbc(pb[i * TILE + t]);
+          for (int k = 0; k < CH; ++k) a[i][k] = vfma(w, z[k], a[i][k]);
+        }
+      }
+    }
+    for (int i = 0; i < GB; ++i)
+      for (int k = 0; k < CH; ++k) vstore(acc + i * astride + c0 + k * W, a[i][k]);
+  }
+}
+
+template <int L, int GB>
+inline void pv_channel_z_ch(float* acc, int64_t astride, const float* p, const uint8_t* const* bc, int b0, int b1,
+                            const uint16_t* cb, int64_t gstride, int D) {
+  constexpr int CH = W == 16 ? 4 : 2;  // 4 x 4 zmm accumulators of 32; 4 x 2 ymm of 16
+  if (D % (CH * W) == 0)
+    pv_channel_z<L, GB, CH>(acc, astride, p, bc, b0, b1, cb, gstride, D);
+  else
+    pv_channel_z<L, GB, 1>(acc, astride, p, bc, b0, b1, cb, gstride, D);
+}
+
+template <int L>
+inline void pv_channel_z_any(float* acc, int64_t astride, int g, int D, const float* p, const uint8_t* const* bc,
+                             int b0, int b1, const uint16_t* cb, int64_t gstride) {
+  int i = 0;
+  for (; i + 4 <= g; i += 4) pv_channel_z_ch<L, 4>(acc + i * astride, astride, p + i * TILE, bc, b0, b1, cb, gstride, D);
+  switch (g - i) {
+    case 3: pv_channel_z_ch<L, 3>(acc + i * astride, astride, p + i * TILE, bc, b0, b1, cb, gstride, D); break;
+    case 2: pv_channel_z_ch<L, 2>(acc + i * astride, astride, p + i * TILE, bc, b0, b1, cb, gstride, D); break;
+    case 1: pv_channel_z_ch<L, 1>(acc + i * astride, astride, p + i * TILE, bc, b0, b1, cb, gstride, D); break;
+    default: break;
+  }
+}
+
+// temporal K of a tile, decoded, denormalized (z * std + mean) and rotated by each key's offset in the tile
+// (dcos/dsin [D/2][TILE]) in one pass: KT[c][t].  gb0: the head's first channel group's centroids.
+template <int L>
+inline void ktile_fast(float* KT, const uint8_t* const* kc, const uint16_t* gb0, int64_t gstride, int D,
+                       const float* kstd, const float* kmean, const float* dcos, const float* dsin) {
+  const int HD = D / 2;
+  for (int c = 0; c < HD; ++c) {
+    const uint16_t* g0 = gb0 + (c / L) * gstride;
+    const uint16_t* g1 = gb0 + ((c + HD) / L) * gstride;
+    const vf sd0 = vbc(kstd[c]), mn0 = vbc(kmean[c]), sd1 = vbc(kstd[c + HD]), mn1 = vbc(kmean[c + HD]);
+    for (int t = 0; t < TILE; t += W) {
+      const vf k0 = vfma(tvec<L>(g0, kc, t, D, c), sd0, mn0);
+      const vf k1 = vfma(tvec<L>(g1, kc, t, D, c + HD), sd1, mn1);
+      const vf cc = vload(dcos + c * TILE + t), ss = vload(dsin + c * TILE + t);
+      vstore(KT + c * TILE + t, vfma(k0, cc, -(k1 * ss)));
+      vstore(KT + (c + HD) * TILE + t, vfma(k1, cc, k0 * ss));
+    }
+  }
+}
+
 // Partial state per query head in DecodeArgs::part: [m, lz, lx, pad, accz[D], accx[D]]: running max,
 // then softmax weights and weighted V sums.  Every V row is accumulated in raw space (accx, lx; decoded
 // rows rounded to the model dtype when exact); the normalized-space pair (accz, lz) is merged as
 // (accz*std + lz*mean + accx) / (lz + lx) and stays 0 here.
+constexpr float RESCALE_SLACK = 8.f;
 inline void rescale(float* st, int D, float alpha) {
   st[1] *= alpha;
   st[2] *= alpha;
@@ -536,14 +720,20 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
   float* sc = static_cast<float*>(__builtin_alloca(sizeof(float) * g * TILE));  // scores / weights
 
   const bool vtemp = a.v.method == TEMPORAL;  // V accumulated per lane straight from the centroids
+  // the fast decode (module comment above pv_temporal_z): V in normalized space, K decoded and rotated in one pass
+  const bool fast_v = vtemp && !a.exact;
+  const bool fast_vc = !a.exact && a.v.method == CHANNEL && D % W == 0;  // channel V, fast: normalized space too
+  const bool fast_k = !a.exact && a.k.method == TEMPORAL && L.cap == 0;
+  const int AW = fast_v ? W : 8;  // lanes per accumulated channel: tokens of a tile (fast) or of a block
   float* acc8 = nullptr;
   if (vtemp) {
-    acc8 = static_cast<float*>(__builtin_malloc(sizeof(float) * g * D * 8));
-    for (int64_t i = 0; i < (int64_t)g * D * 8; ++i) acc8[i] = 0.f;
+    acc8 = static_cast<float*>(__builtin_malloc(sizeof(float) * g * D * AW));
+    for (int64_t i = 0; i < (int64_t)g * D * AW; ++i) acc8[i] = 0.f;
   }
 
   for (int i = 0; i < g * D; ++i) qr[i] = q[i] * a.scale;
   const int rmode = a.exact ? L.round : 2;  // rounding of decoded K/V to the model dtype
+  const vi lane = iota();
 
   if (s == 0) {  // exact tokens: sinks, the own block's earlier tokens (the tail), the new token
     alignas(64) float ek[2 * BLOCK * MAX_D], ev[2 * BLOCK * MAX_D];
@@ -616,7 +806,21 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
     const int v0 = (t0 > SINKS ? t0 : SINKS) - t0;             // valid columns [v0, v1)
     const int v1 = (t0 + TILE < cend ? t0 + TILE : cend) - t0;
     // K: decode the tile's blocks into columns, denormalize, outliers, rotate by the offset
-    for (int b = 0; b < TILE / BLOCK; ++b) {
+    if (fast_k) {
+      const uint8_t* kc[TILE / BLOCK];
+      for (int b = 0; b < TILE / BLOCK; ++b) {
+        const int tok = t0 + (b * BLOCK < v0 ? v0 : b * BLOCK < v1 ? b * BLOCK : v1 - BLOCK);  // a valid block
+        kc[b] = record(a.pages, L, btr[tok / bs], h) + K.codes_off + (int64_t)((tok % bs) / BLOCK) * K.code_bytes;
+      }
+      const int64_t gs = (int64_t)K.kc * K.chunk;
+      const uint16_t* gb0 = K.cent16 + (int64_t)h * (D / K.chunk) * gs;
+      switch (K.chunk) {
+        case 2: ktile_fast<2>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
+        case 4: ktile_fast<4>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
+        default: ktile_fast<8>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
+      }
+    }
+    for (int b = 0; b < (fast_k ? 0 : TILE / BLOCK); ++b) {
       const int c0 = b * BLOCK;
       if (c0 < v0 || c0 >= v1) {
         for (int c = 0; c < D; ++c)
@@ -683,7 +887,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
           vstore(o + c + HD, vfma(q1, cc, -(q0 * ss)) * sc_);
         }
       }
-      for (int c = 0; c < HD; ++c) {
+      for (int c = 0; c < (fast_k ? 0 : HD); ++c) {  // (fast_k: rotated as decoded)
         float* x0 = KT + c * TILE;
         float* x1 = KT + (c + HD) * TILE;
         const float* dc = a.dcos + c * TILE;
@@ -702,30 +906,103 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
     for (int i = 0; i < g; ++i) {
       float* st = part + i * stride;
       float* si = sc + i * TILE;
-      float mt = -__builtin_inff();
-      for (int t = v0; t < v1; ++t) mt = si[t] > mt ? si[t] : mt;
-      if (mt > st[0]) {
+      vf mv = vbc(-__builtin_inff());
+      for (int t = 0; t < TILE; t += W) {
+        const vi u = lane + t;
+        mv = (u >= v0) & (u < v1) ? vmax(mv, vload(si + t)) : mv;
+      }
+      float mt = mv[0];
+      for (int e = 1; e < W; ++e) mt = mv[e] > mt ? mv[e] : mt;
+      // a new running max only when the tile's is RESCALE_SLACK above it (the rescale of every sum costs more
+      // than the tile's own softmax); weights up to e^8 meanwhile, far from float32's range
+      if (mt > st[0] + RESCALE_SLACK) {
         if (st[0] != -__builtin_inff()) {
           const float alpha = __builtin_expf(st[0] - mt);
           rescale(st, D, alpha);
           if (vtemp) {
-            float* a8 = acc8 + (int64_t)i * D * 8;
+            float* a8 = acc8 + (int64_t)i * D * AW;
             const vf al = vbc(alpha);
-            for (int c = 0; c < D * 8; c += W) vstore(a8 + c, vload(a8 + c) * al);
+            for (int c = 0; c < D * AW; c += W) vstore(a8 + c, vload(a8 + c) * al);
           }
         }
         st[0] = mt;
       }
       const vf mb = vbc(st[0]);
-      for (int t = 0; t < TILE; t += W) vstore(si + t, vexp(vload(si + t) - mb));
-      float l = 0.f;
-      for (int t = 0; t < TILE; ++t) {
-        if (t < v0 || t >= v1) si[t] = 0.f;
-        l += si[t];
+      vf lv = vf{};
+      for (int t = 0; t < TILE; t += W) {
+        const vi u = lane + t;
+        const vf e = (u >= v0) & (u < v1) ? vexp(vload(si + t) - mb) : vf{};
+        vstore(si + t, e);
+        lv += e;
       }
-      st[2] += l;  // decoded V is accumulated in raw space (rounded to the model dtype)
+      // decoded V is accumulated in raw space (rounded to the model dtype), the fast decode's in normalized space
+      st[fast_v || fast_vc ? 1 : 2] += hsum(lv);
     }
     // V
+    if (fast_vc) {
+      const uint8_t* bc[TILE / BLOCK];
+      for (int b = v0 / BLOCK; b < v1 / BLOCK; ++b) {
+        const int tok = t0 + b * BLOCK;
+        bc[b] = record(a.pages, L, btr[tok / bs], h) + V.codes_off + (int64_t)((tok % bs) / BLOCK) * V.code_bytes;
+      }
+      const int64_t gstride = (int64_t)V.kc * V.chunk;
+      const uint16_t* cb = V.cent16 + hd * V.kc;  // h * (D / l) groups * kc * l values
+      switch (V.chunk) {
+        case 2: pv_channel_z_any<2>(part + 4, stride, g, D, sc, bc, v0 / BLOCK, v1 / BLOCK, cb, gstride); break;
+        case 4: pv_channel_z_any<4>(part + 4, stride, g, D, sc, bc, v0 / BLOCK, v1 / BLOCK, cb, gstride); break;
+        default: pv_channel_z_any<8>(part + 4, stride, g, D, sc, bc, v0 / BLOCK, v1 / BLOCK, cb, gstride); break;
+      }
+      if (L.cap > 0) {  // exact outliers: the difference to the decoded value, into the raw-space sums
+        for (int b = v0 / BLOCK; b < v1 / BLOCK; ++b) {
+          const int tok = t0 + b * BLOCK;
+          const uint8_t* rec = record(a.pages, L, btr[tok / bs], h);
+          const int slot = (tok % bs) / BLOCK;
+          const int16_t* oi = reinterpret_cast<const int16_t*>(rec + V.idx_off) + slot * L.cap;
+          const uint16_t* ov = reinterpret_cast<const uint16_t*>(rec + V.val_off) + slot * L.cap;
+          for (int o = 0; o < L.cap; ++o) {
+            const int f = oi[o];
+            if (f < 0) continue;
+            const int t = f / D, c = f % D, l = V.chunk;
+            const float zd = fp16_to_f32(cb[(c / l) * gstride + bc[b][t * (D / l) + c / l] * l + c % l]);
+            const float dz = h2f(ov[o], L.bf16) - (zd * vstd[c] + vmean[c]);
+            for (int i = 0; i < g; ++i) part[i * stride + 4 + D + c] += sc[i * TILE + b * BLOCK + t] * dz;
+          }
+        }
+      }
+      continue;
+    }
+    if (fast_v) {
+      const uint8_t* bc[TILE / BLOCK];
+      for (int b = 0; b < TILE / BLOCK; ++b) {
+        const int tok = t0 + (b * BLOCK < v0 ? v0 : b * BLOCK < v1 ? b * BLOCK : v1 - BLOCK);  // a valid block
+        bc[b] = record(a.pages, L, btr[tok / bs], h) + V.codes_off + (int64_t)((tok % bs) / BLOCK) * V.code_bytes;
+      }
+      const int64_t gstride = (int64_t)V.kc * V.chunk;
+      const uint16_t* cb = V.cent16 + hd * V.kc;
+      switch (V.chunk) {
+        case 2: pv_temporal_z_any<2>(acc8, g, D, sc, bc, cb, gstride); break;
+        case 4: pv_temporal_z_any<4>(acc8, g, D, sc, bc, cb, gstride); break;
+        default: pv_temporal_z_any<8>(acc8, g, D, sc, bc, cb, gstride); break;
+      }
+      if (L.cap > 0) {  // exact outliers: the difference to the decoded value, into the raw-space sums
+        for (int b = v0 / BLOCK; b < v1 / BLOCK; ++b) {
+          const int tok = t0 + b * BLOCK;
+          const uint8_t* rec = record(a.pages, L, btr[tok / bs], h);
+          const int slot = (tok % bs) / BLOCK;
+          const int16_t* oi = reinterpret_cast<const int16_t*>(rec + V.idx_off) + slot * L.cap;
+          const uint16_t* ov = reinterpret_cast<const uint16_t*>(rec + V.val_off) + slot * L.cap;
+          for (int o = 0; o < L.cap; ++o) {
+            const int f = oi[o];
+            if (f < 0) continue;
+            const int t = f / D, c = f % D, l = V.chunk;
+            const float zd = fp16_to_f32(cb[(c / l) * gstride + bc[b][(t / l) * D + c] * l + t % l]);
+            const float dz = h2f(ov[o], L.bf16) - (zd * vstd[c] + vmean[c]);
+            for (int i = 0; i < g; ++i) part[i * stride + 4 + D + c] += sc[i * TILE + b * BLOCK + t] * dz;
+          }
+        }
+      }
+      continue;
+    }
     if (vtemp) {
       const uint8_t* bc[TILE / BLOCK];
       for (int b = v0 / BLOCK; b < v1 / BLOCK; ++b) {
@@ -779,10 +1056,12 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
   }
   if (vtemp) {
     for (int i = 0; i < g; ++i) {
-      float* az = part + i * stride + 4 + D;  // raw space
+      float* az = part + i * stride + 4 + (fast_v ? 0 : D);  // normalized (fast) or raw space
       for (int c = 0; c < D; ++c) {
-        const float* x = acc8 + ((int64_t)i * D + c) * 8;
-        az[c] += ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+        const float* x = acc8 + ((int64_t)i * D + c) * AW;
+        float sum = (x[0] + x[1]) + (x[2] + x[3]);
+        for (int e = 4; e < AW; e += 4) sum += (x[e] + x[e + 1]) + (x[e + 2] + x[e + 3]);
+        az[c] += AW == 8 ? ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7])) : sum;
       }
     }
     __builtin_free(acc8);

@@ -8,9 +8,10 @@ Ops (each the twin of the torch path in ``paged_torch``, which stays the oracle)
   centroid table, denormalize, outliers, RoPE on decoded keys, score all query heads of the GQA
   group, online softmax, accumulate V in normalized space (denormalized once at the end); split-K
   with a log-sum-exp merge.  Sinks, the tail, the new token and the own-block-exact rule as the
-  torch path.  Decoded K/V are computed exactly as the torch path computes them (bit-identical values
-  before the dot products); the attention itself is float32 with FMA, so outputs agree with the
-  float64 oracle to ~1e-6 relative (``exact=False``: faster, see ``decode_attention``).
+  torch path.  By default (the fast decode) keys are rotated per 32-token tile and decoded K/V are not
+  rounded to the model dtype; ``exact=True`` computes decoded K/V exactly as the torch path computes them
+  (bit-identical values before the dot products), so outputs agree with the float64 oracle to ~1e-6
+  relative (see ``decode_attention``).
 * ``gather_kv(lc, pages, block_table, n)``: the first n cached tokens -> (K post-RoPE, V), bit-identical
   to ``paged_torch.gather_kv``.
 * ``write_kv(lc, pages, key, value, positions, page_ids)``: cache update, bit-identical pages to
@@ -27,7 +28,7 @@ If the extension cannot be loaded, ``available()`` is False, a warning says so o
 here falls back to the torch path.  ``VLLM_TEMPORALKV_CPU_ISA=avx512|avx2|scalar`` forces a kernel
 variant (default: the best the CPU has); ``VLLM_TEMPORALKV_CPU_JIT=1`` compiles csrc/ with
 ``torch.utils.cpp_extension.load`` when the built extension is missing (a checkout only);
-``VLLM_TEMPORALKV_CPU_EXACT=0`` makes the decode kernel's faster, not bit-matched variant the default.
+``VLLM_TEMPORALKV_CPU_EXACT=1`` makes the decode kernel's slower, bit-matched variant the default.
 ``VLLM_TEMPORALKV_CPU_BF16_DOT=0`` keeps a bf16 model's prefill scores in float32 FMAs on an AVX512_BF16 CPU.
 """
 
@@ -50,14 +51,14 @@ from ..page_views import region_view
 logger = logging.getLogger("vllm.temporalkv")
 
 ABI_VERSION = 8  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
-# split-K: every request's context is cut at the same 8-tile (256-token) boundaries whatever the batch, so
-# its output does not depend on which requests share the step (a batch-dependent split count changed
-# float32 rounding, and a 2-bit cache amplifies that through the codes of later tokens: benchmarks/stress.py)
-SPLIT_TILES = 8
-# decode_attention's default for half models (see there); float32 models default to the composed RoPE:
-# with no model-dtype rounding to reproduce, both variants agree to float32 rounding (~1e-6)
-_EXACT_ENV = os.environ.get("VLLM_TEMPORALKV_CPU_EXACT")
-EXACT = _EXACT_ENV != "0"
+# split-K: every request's context is cut at the same tile boundaries whatever the batch, so its output does
+# not depend on which requests share the step (a batch-dependent split count changed float32 rounding, and a
+# 2-bit cache amplifies that through the codes of later tokens: benchmarks/stress.py).  Long splits cost less
+# (each split zeroes, rescales and reduces its accumulators: 32 tiles decode ~10% faster than 8 at batch 8,
+# 4k tokens, 2 threads); short ones keep many threads busy on one long request.  Fixed per process.
+SPLIT_TILES = 32 if torch.get_num_threads() <= 4 else 16 if torch.get_num_threads() <= 16 else 8
+# decode_attention's default: the fast decode, unless VLLM_TEMPORALKV_CPU_EXACT=1 (see there)
+EXACT = os.environ.get("VLLM_TEMPORALKV_CPU_EXACT") == "1"
 
 _C = None
 _LOAD_ERROR: str | None = None
@@ -231,12 +232,13 @@ def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Te
     """One query token per request: query [R, Hq, D], this step's key/value [R, Hkv, D], seq_lens [R]
     (cached + the new token), block_tables [R, P].  Reads the pages before this step's write_kv.
 
-    exact (default: ``EXACT`` for a half model; False for a float32 one, unless VLLM_TEMPORALKV_CPU_EXACT is
-    set - there is no model-dtype rounding to reproduce, so both agree to float32 rounding): decoded K/V are computed as the torch path computes them (the same float32
-    ops and per-position RoPE tables, then rounded to the model dtype), so outputs match its float64
-    attention to ~1e-6.  exact=False is ~1.3-1.5x faster: keys rotated as R(tile start) R(offset) and K/V
-    not rounded to the model dtype - a different rounding of the decoded values, up to ~1% on single
-    output elements of a real model (large logits amplify the model-dtype rounding of the keys).
+    exact (default ``EXACT``: False unless VLLM_TEMPORALKV_CPU_EXACT=1): decoded K/V are computed as the torch
+    path computes them (the same float32 ops and per-position RoPE tables, then rounded to the model dtype), so
+    outputs match its float64 attention to ~1e-6.  exact=False (the fast decode, ~1.4x faster on a bf16 model):
+    temporal keys decoded, denormalized and rotated as R(tile start) R(offset) in one pass, temporal values
+    accumulated in normalized space, and K/V not rounded to the model dtype - a different rounding of the decoded
+    values, up to ~1% on single output elements of a real bf16 model (large logits amplify the model-dtype
+    rounding of the keys); a float32 model has no such rounding, and both agree to float32 rounding (~1e-6).
 
     small: small pages' exact pages (``paged_torch.ExactPages``, its table's rows these requests')."""
     R, Hq, D = query.shape
@@ -254,7 +256,7 @@ def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Te
     max_len = int(sl.max())
     cosT, sinT, tcos, tsin, dcos, dsin = rope_tables(lc.rope, max_len + _C.TILE)[2:]
     if exact is None:
-        exact = EXACT if lc.dtype != torch.float32 or _EXACT_ENV is not None else False
+        exact = EXACT
     q32 = query.float().contiguous()
     kn = lc.exact(key).float().contiguous()
     vn = lc.exact(value).float().contiguous()
