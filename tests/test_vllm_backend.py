@@ -34,7 +34,11 @@ def recorded(tmp_path_factory, smollm2_dir, tiny_artifact):
     from transformers import AutoConfig
 
     out = tmp_path_factory.mktemp("rec") / "rec.safetensors"
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    # the exact decode (VLLM_TEMPORALKV_CPU_EXACT=1): the attention test below pins decoded K/V to the values the
+    # torch codec gives, rounded to bf16; the default fast decode (not rounded) is tested against the oracle in
+    # test_cpu_kernels and serves in the other server tests
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               VLLM_TEMPORALKV_CPU_EXACT="1")
     p = subprocess.run([sys.executable, "-m", "tests.vllm_record", str(smollm2_dir), FORMAT, str(tiny_artifact), str(out)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]

@@ -22,10 +22,10 @@ from vllm_temporalkv.harness.server import VLLMServer  # noqa: E402
 MAX_LEN = 2048
 
 
-def _server(model_dir, artifact, fmt, *extra, dtype="bfloat16", **options):
+def _server(model_dir, artifact, fmt, *extra, dtype="bfloat16", env=None, **options):
     return VLLMServer(model_dir, "--kv-cache-dtype", fmt, "--served-model-name", "smollm2", "--dtype", dtype,
                       "--max-model-len", str(MAX_LEN), "--additional-config",
-                      json.dumps({"temporalkv_artifact": str(artifact), **options}), *extra)
+                      json.dumps({"temporalkv_artifact": str(artifact), **options}), *extra, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +90,12 @@ def server_pair(smollm2_dir, tiny_artifact):
 
 @pytest.fixture(scope="module")
 def server_4bit(smollm2_dir, tiny_artifact):
-    # eager (no torch.compile warm-up): the 2-bit server already covers the compiled default
-    with _server(smollm2_dir, tiny_artifact, "temporalkv-4bit", "--enforce-eager") as s:
+    # eager (no torch.compile warm-up): the 2-bit server already covers the compiled default.  The exact C++ decode
+    # (VLLM_TEMPORALKV_CPU_EXACT=1): decoded K/V as the torch path and the Triton kernels compute them, rounded to
+    # bf16 - the oracle of the Triton path test (with the default fast decode, not rounded, greedy texts agreed but
+    # later logprobs moved by > 0.1 nats there)
+    with _server(smollm2_dir, tiny_artifact, "temporalkv-4bit", "--enforce-eager",
+                 env={"VLLM_TEMPORALKV_CPU_EXACT": "1"}) as s:
         yield s
 
 
