@@ -939,53 +939,30 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
       st[fast_v || fast_vc ? 1 : 2] += hsum(lv);
     }
     // V
-    if (fast_vc) {
-      const uint8_t* bc[TILE / BLOCK];
-      for (int b = v0 / BLOCK; b < v1 / BLOCK; ++b) {
-        const int tok = t0 + b * BLOCK;
-        bc[b] = record(a.pages, L, btr[tok / bs], h) + V.codes_off + (int64_t)((tok % bs) / BLOCK) * V.code_bytes;
-      }
-      const int64_t gstride = (int64_t)V.kc * V.chunk;
-      const uint16_t* cb = V.cent16 + hd * V.kc;  // h * (D / l) groups * kc * l values
-      switch (V.chunk) {
-        case 2: pv_channel_z_any<2>(part + 4, stride, g, D, sc, bc, v0 / BLOCK, v1 / BLOCK, cb, gstride); break;
-        case 4: pv_channel_z_any<4>(part + 4, stride, g, D, sc, bc, v0 / BLOCK, v1 / BLOCK, cb, gstride); break;
-        default: pv_channel_z_any<8>(part + 4, stride, g, D, sc, bc, v0 / BLOCK, v1 / BLOCK, cb, gstride); break;
-      }
-      if (L.cap > 0) {  // exact outliers: the difference to the decoded value, into the raw-space sums
-        for (int b = v0 / BLOCK; b < v1 / BLOCK; ++b) {
-          const int tok = t0 + b * BLOCK;
-          const uint8_t* rec = record(a.pages, L, btr[tok / bs], h);
-          const int slot = (tok % bs) / BLOCK;
-          const int16_t* oi = reinterpret_cast<const int16_t*>(rec + V.idx_off) + slot * L.cap;
-          const uint16_t* ov = reinterpret_cast<const uint16_t*>(rec + V.val_off) + slot * L.cap;
-          for (int o = 0; o < L.cap; ++o) {
-            const int f = oi[o];
-            if (f < 0) continue;
-            const int t = f / D, c = f % D, l = V.chunk;
-            const float zd = fp16_to_f32(cb[(c / l) * gstride + bc[b][t * (D / l) + c / l] * l + c % l]);
-            const float dz = h2f(ov[o], L.bf16) - (zd * vstd[c] + vmean[c]);
-            for (int i = 0; i < g; ++i) part[i * stride + 4 + D + c] += sc[i * TILE + b * BLOCK + t] * dz;
-          }
-        }
-      }
-      continue;
-    }
-    if (fast_v) {
+    if (fast_v || fast_vc) {  // normalized space, straight from the codes
       const uint8_t* bc[TILE / BLOCK];
       for (int b = 0; b < TILE / BLOCK; ++b) {
         const int tok = t0 + (b * BLOCK < v0 ? v0 : b * BLOCK < v1 ? b * BLOCK : v1 - BLOCK);  // a valid block
         bc[b] = record(a.pages, L, btr[tok / bs], h) + V.codes_off + (int64_t)((tok % bs) / BLOCK) * V.code_bytes;
       }
       const int64_t gstride = (int64_t)V.kc * V.chunk;
-      const uint16_t* cb = V.cent16 + hd * V.kc;
-      switch (V.chunk) {
-        case 2: pv_temporal_z_any<2>(acc8, g, D, sc, bc, cb, gstride); break;
-        case 4: pv_temporal_z_any<4>(acc8, g, D, sc, bc, cb, gstride); break;
-        default: pv_temporal_z_any<8>(acc8, g, D, sc, bc, cb, gstride); break;
+      const uint16_t* cb = V.cent16 + hd * V.kc;  // h * (D / l) groups * kc * l values
+      const int b0 = v0 / BLOCK, b1 = v1 / BLOCK;
+      if (fast_vc) {
+        switch (V.chunk) {
+          case 2: pv_channel_z_any<2>(part + 4, stride, g, D, sc, bc, b0, b1, cb, gstride); break;
+          case 4: pv_channel_z_any<4>(part + 4, stride, g, D, sc, bc, b0, b1, cb, gstride); break;
+          default: pv_channel_z_any<8>(part + 4, stride, g, D, sc, bc, b0, b1, cb, gstride); break;
+        }
+      } else {
+        switch (V.chunk) {
+          case 2: pv_temporal_z_any<2>(acc8, g, D, sc, bc, cb, gstride); break;
+          case 4: pv_temporal_z_any<4>(acc8, g, D, sc, bc, cb, gstride); break;
+          default: pv_temporal_z_any<8>(acc8, g, D, sc, bc, cb, gstride); break;
+        }
       }
       if (L.cap > 0) {  // exact outliers: the difference to the decoded value, into the raw-space sums
-        for (int b = v0 / BLOCK; b < v1 / BLOCK; ++b) {
+        for (int b = b0; b < b1; ++b) {
           const int tok = t0 + b * BLOCK;
           const uint8_t* rec = record(a.pages, L, btr[tok / bs], h);
           const int slot = (tok % bs) / BLOCK;
@@ -995,7 +972,8 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
             const int f = oi[o];
             if (f < 0) continue;
             const int t = f / D, c = f % D, l = V.chunk;
-            const float zd = fp16_to_f32(cb[(c / l) * gstride + bc[b][(t / l) * D + c] * l + t % l]);
+            const int code = fast_vc ? bc[b][t * (D / l) + c / l] : bc[b][(t / l) * D + c];  // channel / temporal
+            const float zd = fp16_to_f32(cb[(c / l) * gstride + code * l + (fast_vc ? c % l : t % l)]);
             const float dz = h2f(ov[o], L.bf16) - (zd * vstd[c] + vmean[c]);
             for (int i = 0; i < g; ++i) part[i * stride + 4 + D + c] += sc[i * TILE + b * BLOCK + t] * dz;
           }
