@@ -15,8 +15,10 @@ constexpr int MAX_D = 256;
 constexpr int PF_ROWS = 32;  // prefill: query rows (position x head of a GQA group) sharing each K/V tile read
 
 // the code paths, chosen in Python from the code layout's geometry (layout.CodeLayout.kernel_variant):
-// a vector along tokens, a vector along channels, one value with a codebook per channel
-enum Method : int { TEMPORAL = 0, CHANNEL = 1, SCALAR = 2 };
+// a vector along tokens, a vector along channels, one value with a codebook per channel; and (no codebook)
+// one integer per value times its token's fp16 scale (the selective formats: (code - qoff) * scale)
+// and TaDA's: the token's head mean minus (code * scale + min), a scale and a min per group of channels
+enum Method : int { TEMPORAL = 0, CHANNEL = 1, SCALAR = 2, SCALED = 3, TADA = 4 };
 
 // One (layer, K-or-V) quantizer and where its bytes sit inside a (page, head) record.
 struct Codec {
@@ -37,6 +39,11 @@ struct Codec {
   const float* inv_std;
   const float* lo;
   const float* hi;
+  int64_t scales_off;    // SCALED / TADA: the fp16 parameters of each token, [blocks][8][P] from here
+  int qoff;              // SCALED: the unsigned code of 0 (qmax + 1)
+  int64_t mean_off;      // TADA: each head's share of the per-token head mean, [blocks][8][mean_c] from here
+  int mean_c;            // TADA: channels of the mean per head's record (head h keeps h*mean_c ..)
+  int group;             // TADA: channels per scale / min group (P = 2 * D / group: the scales, then the mins)
 };
 
 struct Layout {
@@ -44,7 +51,16 @@ struct Layout {
   int64_t rec_bytes;  // bytes per (page, head) record
   int bf16;           // half dtype of the stored sinks/tail/outliers: 1 bfloat16, 0 float16
   int round;          // the model dtype decoded K/V are rounded to: 1 bfloat16, 0 float16, 2 float32
+  int window;         // recent window: the last `window` tokens (and the incomplete block) exact, in the ring
+  int ring;           // ring slots, window + BLOCK: token p (>= SINKS) waits in slot TAIL0 + p % ring of its page
 };
+
+// First position that is not encoded once a sequence holds n tokens (layout.exact_from): the sinks are never
+// encoded, blocks leave the ring when `window` newer tokens exist
+inline int64_t exact_from(int64_t n, int window) {
+  const int64_t e = n - window < SINKS ? SINKS : (n - window) / BLOCK * BLOCK;
+  return e > SINKS ? e : SINKS;
+}
 
 struct DecodeArgs {
   Layout lay;
@@ -102,12 +118,20 @@ struct EncodeArgs {
   float s2;            // rope scale ** 2
 };
 
+// First key a query at position p reads exactly (the rest before it decoded): its own block's start, `window` tokens
+// earlier with a recent window (paged_torch._window_start; block 0, the sinks, exact either way)
+inline int64_t exact_start(int64_t p, int window) {
+  if (p < SINKS || p - window < 0) return 0;
+  return (p - window) / BLOCK * BLOCK;
+}
+
 // A prefill chunk's attention over its context (ops.cpu.prefill_attention): query i (position offset + i)
-// sees keys 0 .. its own position, those before its own block (block 0: the sinks, exact) decoded, the rest
-// exact.  Keys of one KV head in tiles of TILE tokens, K tile-major (a tile's [D][TILE] contiguous).
+// sees keys 0 .. its own position, those before exact_start (its own block, or its recent window) decoded, the
+// rest exact.  Keys of one KV head in tiles of TILE tokens, K tile-major (a tile's [D][TILE] contiguous).
 struct PrefillArgs {
   int Tq, Hq, g, D;
   int64_t offset;      // position of query 0
+  int window;          // recent window: a query at p reads exactly from exact_start(p, window) on
   float scale;
   const float* q;      // [Tq, Hq, D]
   const float* kdT;    // [H, nd / TILE, D, TILE]: decoded keys of positions 0 .. nd - 1 (zero past the context)

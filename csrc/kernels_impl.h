@@ -151,6 +151,11 @@ inline const uint16_t* region_row(const uint8_t* rec, const Layout& L, int slot,
   return reinterpret_cast<const uint16_t*>(rec) + (int64_t)(slot * 2 + kv) * L.D;
 }
 
+// the 8 token scales (fp16) of block `slot` of a SCALED codec's record
+inline const uint16_t* row_scales(const uint8_t* rec, const Codec& cd, int64_t slot) {
+  return cd.method == SCALED ? reinterpret_cast<const uint16_t*>(rec + cd.scales_off) + slot * BLOCK : nullptr;
+}
+
 // ---- 8 x 8 transposes between a block's rows [8][D] and columns [D][8] --------------------------
 
 // dst[j * ldd + i] = src[i * lds + j], i, j < 8
@@ -325,8 +330,85 @@ inline void dec_scalar_rows(const Codec& cd, int h, int D, const uint8_t* codes,
   }
 }
 
+// scaled integer codes (SCALED: the selective formats), rows: dst[t][c] = (code - qoff) * scale[t], one token's
+// BITS-bit codes packed along the channels (lowest channel in the lowest bits), W at a time.  The product is exact
+// in float32 (<= 8 bits times an fp16 scale), as the torch codec computes it.
+// W codes of BITS bits (8, 4 or 2) from bit c0 * BITS of a row, as integers: lane i takes byte i / (8 / BITS), its
+// bits (i % (8 / BITS)) * BITS and up
+template <int BITS>
+struct Unpack {
+  typedef uint8_t vb __attribute__((vector_size(W)));
+  vi sel, sh;
+  Unpack() {
+    for (int i = 0; i < W; ++i) {
+      sel[i] = i / (8 / BITS);
+      sh[i] = (i % (8 / BITS)) * BITS;
+    }
+  }
+  vi operator()(const uint8_t* row, int c0) const {
+    vb b = {};
+    __builtin_memcpy(&b, row + c0 * BITS / 8, W * BITS / 8);
+    const vi x = __builtin_convertvector(b, vi);
+    return BITS == 8 ? x : (__builtin_shuffle(x, sel) >> sh) & ((1 << BITS) - 1);
+  }
+};
+
+template <int BITS>
+inline void dec_scaled_rows(const Codec& cd, int D, const uint8_t* codes, const uint16_t* rs, float* dst, int ld) {
+  const Unpack<BITS> un;
+  const int rowb = D * BITS / 8;
+  const vi off = vi{} + cd.qoff;
+  for (int t = 0; t < BLOCK; ++t) {
+    const vf s = vbc(fp16_to_f32(rs[t]));
+    const uint8_t* row = codes + (int64_t)t * rowb;
+    for (int c0 = 0; c0 < D; c0 += W)
+      vstore(dst + (int64_t)t * ld + c0, __builtin_convertvector(un(row, c0) - off, vf) * s);
+  }
+}
+
+// TaDA, rows of one block of head h: dst[t][c] = mean[t][c] - (code * scale + min) (two roundings, then the
+// difference: TadaCodec.decode's float32 ops), the scale and min of c's group; the head mean's channels from the
+// records of every head of the page (rec0: head 0's), each keeping mean_c of them
+template <int BITS>
+inline void dec_tada_rows(const Codec& cd, const Layout& L, const uint8_t* rec0, int h, int slot, float* dst,
+                          int ld) {
+  const Unpack<BITS> un;
+  const int D = L.D, rowb = D * BITS / 8, G = D / cd.group;
+  const uint8_t* rec = rec0 + (int64_t)h * L.rec_bytes;
+  const uint8_t* codes = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
+  const uint16_t* par = reinterpret_cast<const uint16_t*>(rec + cd.scales_off) + (int64_t)slot * BLOCK * 2 * G;
+  alignas(64) float mean[MAX_D];
+  for (int t = 0; t < BLOCK; ++t) {
+    for (int sh = 0, c0 = 0; c0 < D; ++sh, c0 += cd.mean_c) {  // head sh's share: channels c0 .. c0 + mean_c - 1
+      const uint16_t* m = reinterpret_cast<const uint16_t*>(rec0 + (int64_t)sh * L.rec_bytes + cd.mean_off) +
+                          ((int64_t)slot * BLOCK + t) * cd.mean_c;
+      const int n = D - c0 < cd.mean_c ? D - c0 : cd.mean_c;
+      if (L.bf16)
+        for (int i = 0; i < n; ++i) mean[c0 + i] = bf16_to_f32(m[i]);
+      else
+        for (int i = 0; i < n; ++i) mean[c0 + i] = fp16_to_f32(m[i]);
+    }
+    const uint8_t* row = codes + (int64_t)t * rowb;
+    const uint16_t* pt = par + (int64_t)t * 2 * G;
+    for (int c0 = 0; c0 < D; c0 += W) {
+      const int gi = c0 / cd.group;  // (W divides the group: 32 | 128 or the whole head)
+      const vf sc = vbc(fp16_to_f32(pt[gi])), mn = vbc(fp16_to_f32(pt[G + gi]));
+      const vf dev = __builtin_convertvector(un(row, c0), vf) * sc + mn;
+      vstore(dst + (int64_t)t * ld + c0, vload(mean + c0) - dev);
+    }
+  }
+}
+
 template <class T>
-inline void dec_native(const Codec& cd, const T* table, int h, int D, const uint8_t* codes, float* dst, int ld) {
+inline void dec_native(const Codec& cd, const T* table, int h, int D, const uint8_t* codes, float* dst, int ld,
+                       const uint16_t* rs) {
+  if (cd.method == SCALED) {
+    if (cd.bits == 4)
+      dec_scaled_rows<4>(cd, D, codes, rs, dst, ld);
+    else
+      dec_scaled_rows<8>(cd, D, codes, rs, dst, ld);
+    return;
+  }
   if (cd.method == TEMPORAL) {
     switch (cd.chunk) {
       case 2: dec_temporal_cols<2>(cd, table, h, D, codes, dst, ld); break;
@@ -349,21 +431,41 @@ inline void dec_native(const Codec& cd, const T* table, int h, int D, const uint
 }
 
 // normalized values of one block, as rows dst[t * ld + c] or columns dst[c * ld + t]; half: from the
-// float16 tables (attention), else float32 (bit-exact gather)
+// float16 tables (attention), else float32 (bit-exact gather); rs: the block's 8 token scales (SCALED only)
 inline void decode_block(const Codec& cd, int h, int D, const uint8_t* codes, float* dst, int ld, bool cols,
-                         float* tmp, bool half = false) {
+                         float* tmp, bool half = false, const uint16_t* rs = nullptr) {
   const bool native_cols = cd.method == TEMPORAL;
   float* d = native_cols == cols ? dst : tmp;
   const int dl = native_cols == cols ? ld : (native_cols ? BLOCK : D);
   if (half)
-    dec_native(cd, cd.cent16, h, D, codes, d, dl);
+    dec_native(cd, cd.cent16, h, D, codes, d, dl, rs);
   else
-    dec_native(cd, cd.cent, h, D, codes, d, dl);
+    dec_native(cd, cd.cent, h, D, codes, d, dl, rs);
   if (native_cols == cols) return;
   if (native_cols)
     cols_to_rows(tmp, BLOCK, dst, ld, D);
   else
     rows_to_cols(tmp, D, dst, ld, D);
+}
+
+// decode_block for the block in `slot` of head h's record rec (its page's head-0 record: rec - h * rec_bytes):
+// every method, TaDA's head mean included
+inline void decode_block_at(const Codec& cd, const Layout& L, int h, const uint8_t* rec, int slot, float* dst,
+                            int ld, bool cols, float* tmp, bool half) {
+  if (cd.method != TADA) {
+    decode_block(cd, h, L.D, rec + cd.codes_off + (int64_t)slot * cd.code_bytes, dst, ld, cols, tmp, half,
+                 row_scales(rec, cd, slot));
+    return;
+  }
+  float* d = cols ? tmp : dst;
+  const int dl = cols ? L.D : ld;
+  const uint8_t* rec0 = rec - (int64_t)h * L.rec_bytes;
+  switch (cd.bits) {
+    case 8: dec_tada_rows<8>(cd, L, rec0, h, slot, d, dl); break;
+    case 4: dec_tada_rows<4>(cd, L, rec0, h, slot, d, dl); break;
+    default: dec_tada_rows<2>(cd, L, rec0, h, slot, d, dl); break;
+  }
+  if (cols) rows_to_cols(tmp, L.D, dst, ld, L.D);
 }
 
 // ---- fused decode attention ---------------------------------------------------------------------
@@ -707,7 +809,8 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
   const int n = a.seq_lens[r];
   if (n <= 0) return;
   const int p = n - 1;                   // the query's position
-  const int cend = p / BLOCK * BLOCK;    // decoded blocks: [SINKS, cend); the own block is exact
+  // decoded blocks: [SINKS, cend); the own block (and a recent window: the ring) exact
+  const int cend = p < SINKS ? 0 : (int)exact_from(p, L.window);
   const int32_t* btr = a.bt + (int64_t)r * a.bt_stride;
   const float* q = a.q + ((int64_t)r * a.Hq + (int64_t)h * g) * D;
   const int64_t hd = (int64_t)h * D;
@@ -735,8 +838,11 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
   const int rmode = a.exact ? L.round : 2;  // rounding of decoded K/V to the model dtype
   const vi lane = iota();
 
-  if (s == 0) {  // exact tokens: sinks, the own block's earlier tokens (the tail), the new token
-    alignas(64) float ek[2 * BLOCK * MAX_D], ev[2 * BLOCK * MAX_D];
+  if (s == 0) {  // exact tokens: sinks, the own block's earlier tokens (the tail; a recent window's ring), the new token
+    const int emax = SINKS + L.ring + 1;
+    float* ek = static_cast<float*>(__builtin_malloc(sizeof(float) * 2 * emax * D));
+    float* ev = ek + (int64_t)emax * D;
+    float* es = static_cast<float*>(__builtin_alloca(sizeof(float) * emax));
     int ne = 0;
     const int nsink = p < SINKS ? p : SINKS;
     const uint8_t* rec0 = record(a.pages, L, a.xp ? a.xp[2 * r] : btr[0], h);
@@ -748,12 +854,12 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
         ev[ne * D + c] = h2f(vr[c], L.bf16);
       }
     }
-    if (p >= SINKS && p > cend) {
-      const uint8_t* rect = record(a.pages, L, a.xp ? a.xp[2 * r + 1] : btr[cend / bs], h);
-      const int t0 = a.xp ? 0 : TAIL0;
+    if (p >= SINKS && p > cend) {  // the ring: token t in slot TAIL0 + t % ring of its own page (small pages: t % 8)
       for (int t = cend; t < p; ++t, ++ne) {
-        const uint16_t* kr = region_row(rect, L, t0 + (t - cend), 0);
-        const uint16_t* vr = region_row(rect, L, t0 + (t - cend), 1);
+        const uint8_t* rect = record(a.pages, L, a.xp ? a.xp[2 * r + 1] : btr[t / bs], h);
+        const int slot = a.xp ? t % BLOCK : TAIL0 + t % L.ring;
+        const uint16_t* kr = region_row(rect, L, slot, 0);
+        const uint16_t* vr = region_row(rect, L, slot, 1);
         for (int c = 0; c < D; ++c) {
           ek[ne * D + c] = h2f(kr[c], L.bf16);
           ev[ne * D + c] = h2f(vr[c], L.bf16);
@@ -767,7 +873,6 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
       ev[ne * D + c] = vn[c];
     }
     ++ne;
-    float es[2 * BLOCK];
     for (int i = 0; i < g; ++i) {
       float* st = part + i * stride;
       const float* qi = q + i * D;
@@ -789,6 +894,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
       st[0] = m;
       st[2] = l;
     }
+    __builtin_free(ek);
   }
 
   const int n_tiles = cend > SINKS ? (cend + TILE - 1) / TILE : 0;
@@ -838,7 +944,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
           default: dec_temporal_kt<8>(K, h, D, kc, KT + c0); break;
         }
       } else {
-        decode_block(K, h, D, kc, KT + c0, TILE, true, tmp, true);
+        decode_block_at(K, L, h, rec, slot, KT + c0, TILE, true, tmp, true);
       }
     }
     if (L.cap > 0) {  // outliers: exact values, normalized here (denormalized with the rest below)
@@ -1019,7 +1125,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
       const int tok = t0 + b * BLOCK;
       const uint8_t* rec = record(a.pages, L, btr[tok / bs], h);
       const int slot = (tok % bs) / BLOCK;
-      decode_block(V, h, D, rec + V.codes_off + (int64_t)slot * V.code_bytes, Z, D, false, tmp, true);
+      decode_block_at(V, L, h, rec, slot, Z, D, false, tmp, true);
       for (int t = 0; t < BLOCK; ++t)  // z * std + mean (two roundings, as torch), model dtype
         for (int c = 0; c < D; c += W)
           vstore(Z + t * D + c, vround(vload(Z + t * D + c) * vload(vstd + c) + vload(vmean + c), rmode));
@@ -1102,7 +1208,7 @@ void gather_block(const GatherArgs& a, int64_t item) {
   alignas(64) float X[BLOCK * MAX_D], tmp[BLOCK * MAX_D], Y[MAX_D];
   for (int kind = 0; kind < 2; ++kind) {
     const Codec& cd = kind ? a.v : a.k;
-    decode_block(cd, h, D, rec + cd.codes_off + (int64_t)slot * cd.code_bytes, X, D, false, tmp);
+    decode_block_at(cd, L, h, rec, slot, X, D, false, tmp, false);
     const float* sd = cd.std + hd;
     const float* mn = cd.mean + hd;
     for (int t = 0; t < BLOCK; ++t)

@@ -74,7 +74,7 @@ void check_f32(const at::Tensor& t, const char* what) {
 }
 
 Layout make_layout(const std::vector<int64_t>& li) {
-  TORCH_CHECK(li.size() == 7, "layout: [H, D, block_size, cap, rec_bytes, bf16, round]");
+  TORCH_CHECK(li.size() == 8, "layout: [H, D, block_size, cap, rec_bytes, bf16, round, window]");
   Layout L;
   L.H = (int)li[0];
   L.D = (int)li[1];
@@ -83,17 +83,21 @@ Layout make_layout(const std::vector<int64_t>& li) {
   L.rec_bytes = li[4];
   L.bf16 = (int)li[5];
   L.round = (int)li[6];
+  L.window = (int)li[7];
+  L.ring = L.window + BLOCK;
   TORCH_CHECK(L.bf16 == 0 || L.bf16 == 1, "bad stored half dtype");
   TORCH_CHECK(L.round >= 0 && L.round <= 2, "bad model dtype");
   TORCH_CHECK(L.D % 32 == 0 && L.D <= MAX_D, "head_dim must be a multiple of 32 and <= ", MAX_D);
   TORCH_CHECK(L.block_size % BLOCK == 0 && L.block_size >= 2 * BLOCK, "bad block size");
   TORCH_CHECK(L.cap <= 4 * L.D, "bad outlier cap");
+  TORCH_CHECK(L.window >= 0 && L.window % BLOCK == 0 && L.window + BLOCK <= L.block_size, "bad recent window");
   return L;
 }
 
 Codec make_codec(const std::vector<at::Tensor>& ct, const std::vector<int64_t>& ci, const Layout& L) {
   TORCH_CHECK(ct.size() == 9, "codec tensors: [cent, centT, mean, std, inv_std, lo, hi, cent16, centK]");
-  TORCH_CHECK(ci.size() == 8, "codec ints: [method, chunk, bits, kc, code_bytes, codes_off, idx_off, val_off]");
+  TORCH_CHECK(ci.size() == 13, "codec ints: [method, chunk, bits, kc, code_bytes, codes_off, idx_off, val_off, "
+                                "scales_off, qoff, mean_off, mean_c, group]");
   for (int i = 0; i < 7; ++i) check_f32(ct[i], "codec tensor");
   TORCH_CHECK(ct[7].scalar_type() == at::kHalf && ct[7].is_contiguous() && ct[7].numel() == ct[0].numel(),
               "cent16: the centroids in float16");
@@ -106,9 +110,32 @@ Codec make_codec(const std::vector<at::Tensor>& ct, const std::vector<int64_t>& 
   c.codes_off = ci[5];
   c.idx_off = ci[6];
   c.val_off = ci[7];
+  c.scales_off = ci[8];
+  c.qoff = (int)ci[9];
+  c.mean_off = ci[10];
+  c.mean_c = (int)ci[11];
+  c.group = (int)ci[12];
   const int64_t D = L.D, H = L.H;
-  TORCH_CHECK(c.method >= 0 && c.method <= 2, "bad method");
-  if (c.method == SCALAR) {
+  TORCH_CHECK(c.method >= 0 && c.method <= 4, "bad method");
+  if (c.method == SCALED) {  // no codebook: the centroid tensors are empty, mean 0 and std 1 (values are raw)
+    TORCH_CHECK((c.bits == 8 || c.bits == 4) && c.kc == (1 << c.bits) && c.chunk == 1 && c.qoff > 0 &&
+                    c.qoff < c.kc, "scaled codec: 8 or 4 bits, 2**bits levels, 0 < qoff < 2**bits");
+    TORCH_CHECK(c.code_bytes == BLOCK * D * c.bits / 8, "bad code_bytes");
+    TORCH_CHECK(c.scales_off >= 0 && c.scales_off + (L.block_size / BLOCK) * BLOCK * 2 <= L.rec_bytes,
+                "scales past the record");
+    TORCH_CHECK(L.cap == 0, "scaled codes keep no outliers");
+  } else if (c.method == TADA) {  // no codebook either; the head mean split across the heads' records
+    TORCH_CHECK((c.bits == 8 || c.bits == 4 || c.bits == 2) && c.kc == (1 << c.bits) && c.chunk == 1,
+                "TaDA codec: 8, 4 or 2 bits");
+    TORCH_CHECK(c.code_bytes == BLOCK * D * c.bits / 8, "bad code_bytes");
+    TORCH_CHECK(c.group > 0 && D % c.group == 0 && c.group % 32 == 0, "TaDA group: a multiple of 32 dividing D");
+    TORCH_CHECK(c.mean_c > 0 && c.mean_c * H >= D, "TaDA head mean: the heads' shares must cover head_dim");
+    const int64_t nb = L.block_size / BLOCK;
+    TORCH_CHECK(c.scales_off >= 0 && c.scales_off + nb * BLOCK * 2 * (D / c.group) * 2 <= L.rec_bytes &&
+                    c.mean_off >= 0 && c.mean_off + nb * BLOCK * c.mean_c * 2 <= L.rec_bytes,
+                "TaDA scales or mean past the record");
+    TORCH_CHECK(L.cap == 0, "TaDA keeps no outliers");
+  } else if (c.method == SCALAR) {
     TORCH_CHECK((c.bits == 1 || c.bits == 2 || c.bits == 4) && c.kc == (1 << c.bits) && c.chunk == 1,
                 "scalar codec: bits 1/2/4 and 2**bits centroids");
     TORCH_CHECK(c.code_bytes == BLOCK * D * c.bits / 8, "bad code_bytes");
@@ -119,7 +146,8 @@ Codec make_codec(const std::vector<at::Tensor>& ct, const std::vector<int64_t>& 
   }
   const int64_t v = c.method == SCALAR ? 1 : c.chunk;
   const int64_t G = D / v;
-  TORCH_CHECK(ct[0].numel() == H * G * c.kc * v && ct[1].numel() == H * G * c.kc * v, "bad centroid shape");
+  const int64_t nc = c.method >= SCALED ? 0 : H * G * c.kc * v;
+  TORCH_CHECK(ct[0].numel() == nc && ct[1].numel() == nc, "bad centroid shape");
   for (int i = 2; i < 7; ++i) TORCH_CHECK(ct[i].numel() == H * D, "bad stats shape");
   TORCH_CHECK(c.codes_off + (L.block_size / BLOCK) * c.code_bytes <= L.rec_bytes, "codes past the record");
   if (L.cap > 0)
@@ -330,14 +358,15 @@ std::vector<at::Tensor> gather(const at::Tensor& pages, const at::Tensor& block_
       copy_row(K, t, h, region(sp, h, t, 0));
       copy_row(V, t, h, region(sp, h, t, 1));
     }
-  const int64_t full = n / BLOCK;
-  const int64_t tail0 = std::max<int64_t>(full * BLOCK, SINKS);
-  const int64_t tp = small ? ring_page : (tail0 < n ? bt[tail0 / bs] : 0), ts = small ? 0 : TAIL0;
-  for (int64_t t = tail0; t < n; ++t)
+  const int64_t tail0 = exact_from(n, a.lay.window);  // the encoded blocks end here; the ring holds the rest
+  const int64_t full = tail0 / BLOCK;
+  for (int64_t t = tail0; t < n; ++t) {  // token t in slot TAIL0 + t % ring of its page (small pages: t % 8)
+    const int64_t tp = small ? ring_page : bt[t / bs], ts = small ? t % BLOCK : TAIL0 + t % a.lay.ring;
     for (int64_t h = 0; h < H; ++h) {
-      copy_row(K, t, h, region(tp, h, ts + t - tail0, 0));
-      copy_row(V, t, h, region(tp, h, ts + t - tail0, 1));
+      copy_row(K, t, h, region(tp, h, ts, 0));
+      copy_row(V, t, h, region(tp, h, ts, 1));
     }
+  }
   const Kernels* kern = g_kernels;
   if (full > 1) parallel_items((full - 1) * H, [&](int64_t i) { kern->gather_block(a, i); });
   return {K, V};
@@ -355,6 +384,8 @@ void write_kv(const at::Tensor& pages, const at::Tensor& kh, const at::Tensor& v
   a.k = make_codec(kt, ki, a.lay);
   a.v = make_codec(vt, vi, a.lay);
   check_pages(pages, a.lay);
+  TORCH_CHECK(a.k.method < SCALED && a.v.method < SCALED && a.lay.window == 0,
+              "write_kv encodes codebook codes without a recent window (scaled codes and windows: the torch path)");
   const int64_t N = kh.size(0), H = a.lay.H, D = a.lay.D, bs = a.lay.block_size;
   const auto dt = a.lay.bf16 ? at::kBFloat16 : at::kHalf;
   TORCH_CHECK(kh.scalar_type() == dt && vh.scalar_type() == dt && kh.is_contiguous() && vh.is_contiguous() &&
@@ -443,7 +474,7 @@ bool bf16_dot() {
 // [H, n / TILE, D / 2, TILE, 2] (PrefillArgs); q still float32 [Tq, Hq, D].
 void prefill_attention(const at::Tensor& q, const at::Tensor& kdT, const at::Tensor& vd, const at::Tensor& kxT,
                        const at::Tensor& vx, int64_t offset, int64_t x0, double scale, at::Tensor& out,
-                       const at::Tensor& q16) {
+                       const at::Tensor& q16, int64_t window) {
   const bool b16 = q16.numel() > 0;
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &vd, &vx, &out})
     check_f32(*t, "prefill argument");
@@ -465,16 +496,18 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kdT, const at::Ten
   TORCH_CHECK(nd % TILE == 0 && nx % TILE == 0 && x0 % TILE == 0 && x0 >= 0 && offset >= 0,
               "key arrays and x0: whole tiles of ", TILE);
   TORCH_CHECK(kdT.numel() == H * nd * D && kxT.numel() == H * nx * D, "keys: [H, n / TILE, D, TILE]");
-  auto own = [](int64_t p) { return p < SINKS ? (int64_t)0 : p / BLOCK * BLOCK; };
+  TORCH_CHECK(window >= 0 && window % BLOCK == 0, "window: whole blocks");
+  auto own = [&](int64_t p) { return exact_start(p, (int)window); };
   if (Tq == 0) return;
   TORCH_CHECK(nd >= own(offset + Tq - 1) && x0 <= own(offset) && x0 + nx >= offset + Tq,
-              "the key arrays do not cover the chunk (decoded up to its last own block, exact from its first)");
+              "the key arrays do not cover the chunk (decoded up to its last query's window, exact from its first's)");
   PrefillArgs a;
   a.Tq = (int)Tq;
   a.Hq = (int)Hq;
   a.g = (int)(Hq / H);
   a.D = (int)D;
   a.offset = offset;
+  a.window = (int)window;
   a.scale = (float)scale;
   a.q = q.data_ptr<float>();
   a.vd = vd.data_ptr<float>();
@@ -535,5 +568,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot", &tkv::bf16_dot, "whether prefill_attention takes bf16 scores here (avx512 + AVX512_BF16)");
   m.attr("TILE") = tkv::TILE;
   // bumped whenever an op's arguments change: ops/cpu.py refuses (and says so) a stale build
-  m.attr("ABI_VERSION") = 8;
+  m.attr("ABI_VERSION") = 9;
 }

@@ -109,7 +109,7 @@ void prefill_item_t(const PrefillArgs& a, int64_t item) {
       for (int c = 0; c < D; ++c) qs[k * MAX_D + c] = q[c] * a.scale;
       if (b16) __builtin_memcpy(qp + k * (MAX_D / 2), a.q16 + (q - a.q), sizeof(uint16_t) * D);
       pos[k] = a.offset + i;
-      ex[k] = pos[k] < SINKS ? 0 : pos[k] / BLOCK * BLOCK;  // own block exact (block 0: the sinks)
+      ex[k] = exact_start(pos[k], a.window);  // own block (a recent window) exact; block 0: the sinks
       pmax = pos[k] > pmax ? pos[k] : pmax;
     } else {
       for (int c = 0; c < D; ++c) qs[k * MAX_D + c] = 0.f;

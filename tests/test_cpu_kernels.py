@@ -14,28 +14,12 @@
 import pytest
 import torch
 
-from tests.helpers import synthetic_artifact
+from tests.cpu_cases import _check_f32_vs_f64, _tol, make_cache
 from vllm_temporalkv.codecs import base as codec_base
-from vllm_temporalkv.formats import get_format
-from vllm_temporalkv.cache import LayerCache
 from vllm_temporalkv.ops import cpu, paged_torch
-from vllm_temporalkv.rope import Rope
 
 # built by `pip install --no-build-isolation -e .` (or VLLM_TEMPORALKV_CPU_JIT=1 compiles csrc/ on import)
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"C++ CPU kernels not built/loadable: {cpu._LOAD_ERROR}")
-
-
-def make_cache(fmt, D, outliers, dtype, layer, H=2, GQ=3, block_size=16):
-    """A LayerCache of a synthetic artifact (layer 0 of a temporal format: the hybrid's K is channel-chunked)."""
-    from transformers import LlamaConfig
-
-    cfg = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": H * GQ,
-           "num_key_value_heads": H, "hidden_size": H * GQ * D, "vocab_size": 100,
-           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
-    art = synthetic_artifact(cfg, formats=get_format(fmt).calibrated_formats)  # a K/V pair: its parts
-    rope = Rope(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
-    return LayerCache.build(fmt, layer, head_dim=D, block_size=block_size, dtype=dtype, rope=rope, artifact=art,
-                            outliers=outliers)
 
 
 @pytest.fixture
@@ -87,23 +71,6 @@ def _batch(kv, calls, tables, block_size):
         ps.append(pos)
         ids.append(tables[r][pos // block_size])
     return torch.cat(ks), torch.cat(vs), torch.cat(ps), torch.cat(ids)
-
-
-def _tol(dtype, ref):
-    # 2 units of the model dtype's rounding at the outputs' magnitude (see the module docstring);
-    # float32: the two float32 attentions' different summation orders, well above their ~1e-6
-    eps = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -16}[dtype]
-    return 2 * eps * max(1.0, ref.float().abs().max().item())
-
-
-def _check_f32_vs_f64(lc, pages, q, key, val, sl, tables, scale, **kw):
-    """The kernel's float32 output against the float64 oracle (see the module docstring)."""
-    R, Hq, D = q.shape
-    want = paged_torch.paged_attention(lc, pages, q, key, val, torch.arange(R + 1), sl, tables, scale,
-                                       out=torch.empty(R, Hq, D, dtype=torch.float64), batch_invariant=True)
-    got = cpu.decode_attention(lc, pages, q, key, val, sl, tables, scale, out=torch.empty(R, Hq, D), **kw)
-    err = (got.double() - want).abs().max().item()
-    assert err <= 1e-5 * max(1.0, want.abs().max().item()), err
 
 
 # ---- nearest ------------------------------------------------------------------------------------
@@ -401,13 +368,14 @@ def test_forward_prefill_does_not_depend_on_chunking(dtype):
         assert torch.equal(o, outs[0]), (o.float() - outs[0].float()).abs().max()
 
 
-def _prefill_dense(q, ke, ve, kd, vd, scale, offset):
+def _prefill_dense(q, ke, ve, kd, vd, scale, offset, window=0):
     """The prefill attention's definition in float64: query offset + i sees keys 0 .. itself, those before its own
-    8-token block decoded (block 0, the sinks, exact), the rest exact."""
+    8-token block (with a recent window: window tokens before it) decoded (block 0, the sinks, exact), the rest
+    exact."""
     n = offset + q.shape[0]
     p = torch.arange(offset, n)[:, None]
     t = torch.arange(n)[None, :]
-    dec = (t < torch.where(p < 8, 0, p // 8 * 8))[:, None, :]  # [Tq, 1, n]
+    dec = (t < torch.where((p < 8) | (p < window), 0, (p - window) // 8 * 8))[:, None, :]  # [Tq, 1, n]
     g = q.shape[1] // ke.shape[1]
     qh = q.double().transpose(0, 1)  # [Hq, Tq, D]
     heads = lambda x: x[:n].double().repeat_interleave(g, 1).transpose(0, 1)  # noqa: E731 - [Hq, n, D]
@@ -421,13 +389,13 @@ def _prefill_dense(q, ke, ve, kd, vd, scale, offset):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("H,G,D", [(3, 3, 64), (2, 4, 128), (1, 1, 96)])
-def test_prefill_attention_definition_chunking_and_isas(H, G, D, dtype, isa):
+@pytest.mark.parametrize("H,G,D,window", [(3, 3, 64, 0), (2, 4, 128, 0), (1, 1, 96, 0), (3, 3, 64, 40), (2, 4, 128, 128)])
+def test_prefill_attention_definition_chunking_and_isas(H, G, D, window, dtype, isa):
     """ops.cpu.prefill_attention (a prefill chunk's attention, csrc/prefill_impl.h) on every ISA variant, float32
     and bf16 inputs (bf16 on the avx512 variant of an AVX512_BF16 CPU: the scores as bf16 dot products): equal to
     its float64 definition within float32 rounding, and to the torch path's _attend_fast; every query's output bit
     for bit the same however the prompt is cut into chunks (cuts inside the sinks, inside blocks, on and off the
-    32-key tiles, one-token chunks)."""
+    32-key tiles, one-token chunks); with a recent window (the selective formats', any format's option) too."""
     from vllm_temporalkv.ops.paged_torch import _attend_fast
 
     g = torch.Generator().manual_seed(21)
@@ -435,27 +403,28 @@ def test_prefill_attention_definition_chunking_and_isas(H, G, D, dtype, isa):
     q = torch.randn(n, H * G, D, generator=g).to(dtype)
     ke, ve, kd, vd = (torch.randn(n, H, D, generator=g).to(dtype) for _ in range(4))
     kd[300:340] *= 6  # large decoded scores
-    own = lambda p: 0 if p < 8 else p // 8 * 8  # noqa: E731
+    own = lambda p: 0 if p < 8 or p < window else (p - window) // 8 * 8  # noqa: E731
 
     def attend(a, b, offset=None):
         o = torch.empty(b - a, H * G, D)  # float32 out: the kernel's own result, not its rounding to bf16
         x = own(a)
-        return cpu.prefill_attention(q[a:b], kd[:b], vd[:b], ke[x:b], ve[x:b], x, a, D ** -0.5, out=o)
+        return cpu.prefill_attention(q[a:b], kd[:b], vd[:b], ke[x:b], ve[x:b], x, a, D ** -0.5, out=o, window=window)
 
     outs = [torch.cat([attend(a, b) for a, b in zip(cuts, cuts[1:])])
             for cuts in ([0, n], [0, 3, 8, 9, 31, 32, 64, 100, 333, n], [0, 1, 2, 250, 512, 699, n])]
-    want = _prefill_dense(q, ke, ve, kd, vd, D ** -0.5, 0)
+    want = _prefill_dense(q, ke, ve, kd, vd, D ** -0.5, 0, window)
     assert (outs[0].double() - want).abs().max() <= 2e-5 * want.abs().max()
-    fast = _attend_fast(q, ke, ve, kd, vd, D ** -0.5, 0)
+    fast = _attend_fast(q, ke, ve, kd, vd, D ** -0.5, 0, window)
     assert (outs[0] - fast).abs().max() <= 2e-5 * fast.abs().max()
     for o in outs[1:]:
         assert torch.equal(o, outs[0]), (o - outs[0]).abs().max()
     # a chunk in the middle of a context, against the definition at that offset
     got = attend(421, n)
-    want = _prefill_dense(q[421:], ke, ve, kd, vd, D ** -0.5, 421)
+    want = _prefill_dense(q[421:], ke, ve, kd, vd, D ** -0.5, 421, window)
     assert (got.double() - want).abs().max() <= 2e-5 * want.abs().max()
     if dtype == torch.bfloat16 and cpu._C.bf16_dot():  # both score paths here: the same within float32 rounding
-        o32 = cpu.prefill_attention(q, kd, vd, ke, ve, 0, 0, D ** -0.5, out=torch.empty(n, H * G, D), bf16=False)
+        o32 = cpu.prefill_attention(q, kd, vd, ke, ve, 0, 0, D ** -0.5, out=torch.empty(n, H * G, D), bf16=False,
+                                    window=window)
         assert not torch.equal(o32, outs[0]) and (o32 - outs[0]).abs().max() <= 2e-5 * o32.abs().max()
 
 
@@ -467,7 +436,7 @@ def test_prefill_attention_refuses_arrays_that_do_not_cover_the_chunk():
     with pytest.raises(RuntimeError, match="do not cover the chunk"):
         cpu._C.prefill_attention(q, torch.zeros(1, 1, 64, 32), torch.zeros(1, 32, 64), torch.zeros(1, 1, 64, 32),
                                  torch.zeros(1, 32, 64), 60, 32, 0.125, torch.empty_like(q),
-                                 torch.empty(0, dtype=torch.bfloat16))
+                                 torch.empty(0, dtype=torch.bfloat16), 0)
     before = cpu.isa()
     try:  # bf16 scores asked for where they cannot run (the portable variant): refused, not wrong
         cpu.set_isa("scalar")

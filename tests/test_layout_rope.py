@@ -89,7 +89,8 @@ def test_rope_matches_transformers(rope):
 
 def test_kernel_variant_follows_the_geometry():
     """The C++ and Triton kernels pick their code path from a CodeLayout's geometry, not from a method's name:
-    a new method laid out like an existing one runs on the same kernels; scaled integer codes run on none."""
+    a new method laid out like an existing one runs on the same kernels; scaled integer codes have no variant (the
+    C++ kernels decode the selective formats' by their own rule, CodeLayout.cpu_scaled)."""
     from vllm_temporalkv.methods import CodeLayout
 
     assert CodeLayout("new-token-vq", 4, 1, 4, 256).kernel_variant == get_format("temporalkv-2bit").code_layout.kernel_variant

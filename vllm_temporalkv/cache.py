@@ -75,11 +75,17 @@ class LayerCache:
         """Why the C++ / Triton kernels cannot decode this layer's pages whatever the device (None: they can;
         the device's own limits are ops.select's): they decode codebook codes of a kernel variant
         (``CodeLayout.kernel_variant``) from thesis pages (no recent window: they read the tail from one page)."""
+        return self.blocker()
+
+    def blocker(self, scaled: bool = False, window: bool = False) -> str | None:
+        """``kernel_blocker`` for kernels that can do more: ``scaled``, decode the selective formats' and TaDA's scaled
+        integer codes (``CodeLayout.cpu_scaled``); ``window``, read a recent window's ring (the C++ kernels do both)."""
         for kind, q in (("K", self.k), ("V", self.v)):
-            if q.code_layout is None or q.code_layout.kernel_variant is None:
-                return (f"the kernels decode codebook codes; {self.fmt.name}'s {kind} are "
-                        + ("sketches" if q.code_layout is None else "scaled integer codes"))
-        if self.layout.window:
+            cl = q.code_layout
+            if cl is None or (cl.kernel_variant is None and not (scaled and cl.cpu_scaled)):
+                return (f"the kernels decode codebook codes{' and scaled ones' if scaled else ''}; "
+                        f"{self.fmt.name}'s {kind} are " + ("sketches" if cl is None else "scaled integer codes"))
+        if self.layout.window and not window:
             return "the kernels serve codebook codes without a recent window"
         if not self.k.outliers == self.layout.outliers == self.v.outliers:
             return "the quantizers' outliers differ from the page layout's"

@@ -67,7 +67,10 @@ def select(lc, device) -> tuple[ModuleType, str]:
         from . import cpu
 
         if cpu.supports(lc):
-            return cpu, f"C++ ({cpu.isa()})"
+            if cpu.encodes(lc):
+                return cpu, f"C++ ({cpu.isa()})"
+            what = "a recent window's" if lc.layout.window else "scaled codes'"
+            return cpu, f"C++ ({cpu.isa()}; {what} cache update in torch)"
         if not cpu.available():
             why = "extension not loaded"
         elif lc.kernel_blocker:

@@ -50,7 +50,7 @@ from ..page_views import region_view
 
 logger = logging.getLogger("vllm.temporalkv")
 
-ABI_VERSION = 8  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
+ABI_VERSION = 9  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
 # split-K: every request's context is cut at the same tile boundaries whatever the batch, so its output does
 # not depend on which requests share the step (a batch-dependent split count changed float32 rounding, and a
 # 2-bit cache amplifies that through the codes of later tokens: benchmarks/stress.py).  Long splits cost less
@@ -60,6 +60,7 @@ SPLIT_TILES = 32 if torch.get_num_threads() <= 4 else 16 if torch.get_num_thread
 # decode_attention's default: the fast decode, unless VLLM_TEMPORALKV_CPU_EXACT=1 (see there)
 EXACT = os.environ.get("VLLM_TEMPORALKV_CPU_EXACT") == "1"
 
+_SCALED, _TADA = 3, 4  # csrc/common.h Methods SCALED, TADA: scaled integer codes (no codebook)
 _C = None
 _LOAD_ERROR: str | None = None
 _WARNED = False
@@ -135,25 +136,36 @@ def set_isa(name: str) -> None:
 _CODEC: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _codec_args(q, lay, kind: str):
+def _codec_args(q, lay, kind: str, H: int):
     per = _CODEC.setdefault(q, {})
-    key = (kind, lay.kind_code_bytes[kind], lay.k_codes, lay.v_codes, lay.k_idx, lay.k_val, lay.v_idx, lay.v_val)
+    key = (kind, lay.kind_code_bytes[kind], lay.k_codes, lay.v_codes, lay.k_idx, lay.k_val, lay.v_idx, lay.v_val,
+           lay.k_scales, lay.v_scales, H)
     if key not in per:
+        cl = q.code_layout
+        offs = [lay.kind_code_bytes[kind],  # a K/V pair's halves differ (the kernels read each with its own codec)
+                lay.k_codes if kind == "k" else lay.v_codes,
+                lay.k_idx if kind == "k" else lay.v_idx,
+                lay.k_val if kind == "k" else lay.v_val,
+                lay.k_scales if kind == "k" else lay.v_scales]
+        if cl.kernel_variant is None:  # scaled integer codes (cache.blocker(scaled=True)): no codebook, raw values
+            D = lay.head_dim
+            none = torch.empty(0)
+            if cl.cpu_scaled == "tada":  # + where the head mean's shares sit, channels per share and per scale group
+                ints = [_TADA, 1, cl.code_bits, cl.n_centroids, *offs, 0, lay.k_mean if kind == "k" else lay.v_mean,
+                        lay.mean_channels, min(cl.scale_group, D)]
+            else:  # selective: + the code of 0
+                ints = [_SCALED, 1, cl.code_bits, cl.n_centroids, *offs, q.codec.qmax + 1, 0, 0, 0]
+            tensors = [none, none, torch.zeros(H, D), torch.ones(H, D), torch.ones(H, D), torch.zeros(H, D),
+                       torch.zeros(H, D), none.half(), none]
+            per[key] = (tensors, ints)
+            return per[key]
         codec, s = q.codec, q.stats
         f32 = lambda t: t.detach().float().contiguous().cpu()  # noqa: E731
         cent = f32(codec._check_fitted())
-        variant = codec.layout.kernel_variant  # from the code layout's geometry (layout.CodeLayout)
+        variant = cl.kernel_variant  # from the code layout's geometry (layout.CodeLayout)
         scalar = variant == KERNEL_SCALAR
-        ints = [
-            variant,
-            1 if scalar else codec.chunk,
-            (codec.n_centroids - 1).bit_length() if scalar else 8,
-            codec.n_centroids,
-            lay.kind_code_bytes[kind],  # a K/V pair's halves differ (the kernels read each with its own codec)
-            lay.k_codes if kind == "k" else lay.v_codes,
-            lay.k_idx if kind == "k" else lay.v_idx,
-            lay.k_val if kind == "k" else lay.v_val,
-        ]
+        ints = [variant, 1 if scalar else codec.chunk, (codec.n_centroids - 1).bit_length() if scalar else 8,
+                codec.n_centroids, *offs, 0, 0, 0, 0]
         # float16 copy: the attention kernel's lookup tables (half the cache footprint; artifacts store
         # fp16 centroids, so this is exact for them); gather and encode use the float32 ones
         tensors = [cent, cent.transpose(2, 3).contiguous(), f32(s.mean), f32(s.std), f32(s.inv_std), f32(s.lo),
@@ -167,12 +179,13 @@ def _codec_args(q, lay, kind: str):
 def _layout_args(lc, H: int) -> list[int]:
     lay = lc.layout
     model = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}[lc.dtype]
-    return [H, lay.head_dim, lay.block_size, lay.cap, lay.bytes, int(lc.store_dtype == torch.bfloat16), model]
+    return [H, lay.head_dim, lay.block_size, lay.cap, lay.bytes, int(lc.store_dtype == torch.bfloat16), model,
+            lay.window]
 
 
 def _args(lc, H: int):
-    kt, ki = _codec_args(lc.k, lc.layout, "k")
-    vt, vi = _codec_args(lc.v, lc.layout, "v")
+    kt, ki = _codec_args(lc.k, lc.layout, "k", H)
+    vt, vi = _codec_args(lc.v, lc.layout, "v", H)
     return kt, ki, vt, vi, _layout_args(lc, H)
 
 
@@ -199,13 +212,23 @@ def rope_tables(rope, n: int):
 
 
 def supports(lc, pages: torch.Tensor | None = None) -> bool:
-    """Whether the kernels handle this layer cache (else: the torch path)."""
+    """Whether the kernels read this layer cache's pages (decode attention, gather; else: the torch path).  Writes
+    are ``encodes``'s question."""
     D = lc.layout.head_dim
-    # codebook codes only, and the thesis's page (lc.kernel_blocker: the layer cache says what no kernel decodes)
-    return (available() and lc.kernel_blocker is None and lc.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    # codebook codes and the selective formats' scaled ones, with or without a recent window (lc.blocker: what the
+    # layer cache says these kernels cannot decode)
+    return (available() and lc.blocker(scaled=True, window=True) is None
+            and lc.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and D % 32 == 0 and D <= 256
             and (pages is None or (pages.device.type == "cpu" and pages.dtype == torch.uint8
                                    and pages.is_contiguous())))
+
+
+def encodes(lc, pages: torch.Tensor | None = None) -> bool:
+    """Whether ``write_kv`` encodes in C++: codebook codes without a recent window.  The others (scaled codes: one
+    vectorized absmax per token; a window: blocks leave it one request at a time) are written by the torch path,
+    bit-identical by definition, while the kernels still read them."""
+    return supports(lc, pages) and lc.kernel_blocker is None
 
 
 _NONE32, _NONE64 = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64)  # no small pages
@@ -288,7 +311,7 @@ def write_kv(lc, pages: torch.Tensor, key: torch.Tensor, value: torch.Tensor, po
     """Twin of ``paged_torch.write_kv`` (same arguments, bit-identical pages)."""
     if key.shape[0] == 0:
         return
-    if not supports(lc, pages):
+    if not encodes(lc, pages):
         return paged_torch.write_kv(lc, pages, key, value, positions, page_ids, exact=exact)
     if lc.layout.exact_pages != (exact is not None):
         raise ValueError("small pages are written with their exact pages, other layouts without")
@@ -348,20 +371,20 @@ def paged_attention(
     return out
 
 
-def _own_block(p: int) -> int:
-    """Where a query at position p starts reading keys exact: its own block (block 0, the sinks, for p < 8; the
-    sinks are exact in the gather too) - csrc/prefill_impl.h's rule."""
-    return 0 if p < SINK_TOKENS else p // BLOCK_TOKENS * BLOCK_TOKENS
+def _own_block(p: int, window: int = 0) -> int:
+    """Where a query at p starts reading keys exact: its own block (block 0, the sinks, for p < 8; the sinks are
+    exact in the gather too), or ``window`` tokens before it (``paged_torch._window_start``) - csrc's exact_start."""
+    if p < SINK_TOKENS or p - window < 0:
+        return 0
+    return (p - window) // BLOCK_TOKENS * BLOCK_TOKENS
 
 
 def attend_fast(q, k_exact, v_exact, k_dec, v_dec, scale, offset, window: int = 0):
     """``paged_torch._attend_fast``'s twin (its arguments: full-length exact and decoded K/V) on the C++ prefill
-    kernel; a recent window stays on the torch one."""
-    if window:
-        return paged_torch._attend_fast(q, k_exact, v_exact, k_dec, v_dec, scale, offset, window)
-    x = _own_block(offset)
+    kernel."""
+    x = _own_block(offset, window)
     n = offset + q.shape[0]
-    return prefill_attention(q, k_dec, v_dec, k_exact[x:n], v_exact[x:n], x, offset, scale)
+    return prefill_attention(q, k_dec, v_dec, k_exact[x:n], v_exact[x:n], x, offset, scale, window=window)
 
 
 @torch.no_grad()
@@ -381,6 +404,15 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
     if not supports(lc, pages) or batch_invariant:
         return paged_torch.forward(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables,
                                    positions, page_ids, scale, out, batch_invariant, exact=exact)
+    if not encodes(lc, pages):  # read here, written by the torch path: attend first (this module's attention), then
+        out = paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out,
+                              False, exact)  # the torch update (write_kv_window with a recent window)
+        if lc.layout.window:
+            paged_torch.write_kv_window(lc, pages, key, value, query_start_loc, seq_lens, block_tables)
+        else:
+            paged_torch.write_kv(lc, pages, key, value, positions, page_ids,
+                                 exact=None if exact is None else exact.tokens(query_start_loc, key.shape[0]))
+        return out
     if out is None:
         out = torch.empty_like(query)
     rest, rows = _attend_decodes(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out,
@@ -472,7 +504,7 @@ BF16_DOT = os.environ.get("VLLM_TEMPORALKV_CPU_BF16_DOT", "1") != "0"
 @torch.no_grad()
 def prefill_attention(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor,
                       x0: int, offset: int, scale: float, out: torch.Tensor | None = None,
-                      bf16: bool | None = None) -> torch.Tensor:
+                      bf16: bool | None = None, window: int = 0) -> torch.Tensor:
     """A prefill chunk's attention in C++: queries q [Tq, Hq, D] at positions offset.., each over the keys up to
     itself - decoded (kd / vd [>= its own block's start, H, D], positions 0..) before its own 8-token block, exact
     (kx / vx, positions x0..offset + Tq - 1, x0 <= the first query's own-block start) from there on.  The
@@ -481,14 +513,15 @@ def prefill_attention(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, kx: t
 
     bf16 (default: ``BF16_DOT`` where q and the keys are bfloat16 and ``_C.bf16_dot()``): the scores as AVX512_BF16
     dot products of the bf16 values (exact products, float32 sums in another order: agrees with the float32 scores
-    to float32 rounding; ~2x fewer instructions), the rest as without."""
+    to float32 rounding; ~2x fewer instructions), the rest as without.  window: a recent window - each query reads
+    exactly from ``window`` tokens before its own block (``_own_block(p, window)``) instead."""
     Tq, Hq, D = q.shape
     if out is None:
         out = torch.empty_like(q)
     if Tq == 0:
         return out
     T = _C.TILE
-    nd = -(-_own_block(offset + Tq - 1) // T) * T
+    nd = -(-_own_block(offset + Tq - 1, window) // T) * T
     xt = x0 // T * T  # kx's rows from the tile x0 is in
     nx = -(-(offset + Tq) // T) * T - xt
     kdp, kxp = _padded(kd, 0, nd), _padded(kx, x0 - xt, nx)
@@ -499,13 +532,14 @@ def prefill_attention(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, kx: t
     vdt, vxt = vdp.transpose(0, 1).contiguous(), vxp.transpose(0, 1).contiguous()
     o32 = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(Tq, Hq, D)
     q16 = q.to(torch.bfloat16).contiguous() if bf16 else _NONE_BF16
-    _C.prefill_attention(q.float().contiguous(), kdT, vdt, kxT, vxt, int(offset), int(xt), float(scale), o32, q16)
+    _C.prefill_attention(q.float().contiguous(), kdT, vdt, kxT, vxt, int(offset), int(xt), float(scale), o32, q16,
+                         int(window))
     if o32 is not out:
         out.copy_(o32)
     return out
 
 _load()
 
-__all__ = ["available", "decode_attention", "forward", "gather_kv", "isa", "nearest", "paged_attention",
+__all__ = ["available", "decode_attention", "encodes", "forward", "gather_kv", "isa", "nearest", "paged_attention",
            "prefill_attention", "set_isa",
            "supported_isas", "supports", "write_kv"]

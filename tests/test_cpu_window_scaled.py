@@ -1,0 +1,148 @@
+"""The C++ kernels on what they read but do not write: the selective formats' scaled integer codes (one 8- or
+4-bit value per float times its token's fp16 scale, csrc method SCALED), TaDA's (the per-token head mean minus
+code x scale + min, 4 or 2 bits, csrc method TADA) and recent windows (the ring of exact
+tokens in each page, codebook formats too).  Pages are written by the torch path (``encodes`` is False for them);
+``gather_kv`` must give the torch path's K/V bit for bit, the decode attention the torch path's output within the
+model dtype's rounding (and the float64 oracle's to float32 rounding), and ``forward`` - C++ reads, torch writes -
+the torch path's pages and outputs over prefill chunks and decode steps."""
+
+import pytest
+import torch
+
+from tests.cpu_cases import _check_f32_vs_f64, _tol, make_cache
+from vllm_temporalkv import ops
+from vllm_temporalkv.cache import LayerCache
+from vllm_temporalkv.ops import cpu, paged_torch
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"C++ CPU kernels not built/loadable: {cpu._LOAD_ERROR}")
+
+# (format, head_dim, dtype, window, block_size): the selective formats at their own window (128) and a short one
+# across pages, codebook formats (temporal, hybrid channel K, channel) with a window, float32 models
+CASES = [
+    ("selective-int8", 64, torch.bfloat16, None, 256),
+    ("selective-int4", 128, torch.float16, 16, 32),
+    ("selective-int4", 64, torch.bfloat16, 8, 16),
+    ("selective-int8", 64, torch.float32, 24, 32),
+    ("temporalkv-2bit", 64, torch.bfloat16, 16, 32),
+    ("channelkv-2bit", 128, torch.float16, 8, 16),
+    ("temporalkv-4bit", 64, torch.float32, 32, 64),
+    # TaDA: deviations from the per-token head mean (its channels split across the heads' records)
+    ("tada-4bit", 64, torch.bfloat16, 16, 32),
+    ("tada-2bit", 128, torch.float16, None, 256),
+    ("tada-4bit", 96, torch.float32, 8, 16),
+]
+IDS = [f"{f}-d{d}-{str(t)[6:]}-w{w}-b{b}" for f, d, t, w, b in CASES]
+LENS = [1, 7, 8, 9, 16, 17, 23, 24, 25, 33, 40, 41, 57, 64, 65, 100, 137, 150, 300]
+
+
+@pytest.fixture(params=cpu.supported_isas())
+def isa(request):
+    before = cpu.isa()
+    cpu.set_isa(request.param)
+    yield request.param
+    cpu.set_isa(before)
+
+
+def _cache(case, H=2, GQ=3):
+    fmt, D, dtype, window, bs = case
+    return make_cache(fmt, D, False, dtype, 1, H=H, GQ=GQ, block_size=bs, window=window)
+
+
+def _write_prefix(lc, lens, H, D, seed):
+    """Each request's first n - 1 tokens written by the torch path in one prefill call (random page tables)."""
+    g = torch.Generator().manual_seed(seed)
+    R, bs = len(lens), lc.block_size
+    per = -(-max(lens) // bs)
+    tables = torch.randperm(R * per, generator=g).reshape(R, per)
+    pages = torch.randint(0, 256, (R * per, H, lc.layout.bytes), dtype=torch.uint8, generator=g)
+    kv = [(torch.randn(n, H, D, generator=g) * 2, torch.randn(n, H, D, generator=g)) for n in lens]
+    ctx = [n - 1 for n in lens]
+    qsl = torch.tensor([0] + ctx).cumsum(0)
+    key = torch.cat([k[:c] for (k, _), c in zip(kv, ctx)]).to(lc.dtype)
+    val = torch.cat([v[:c] for (_, v), c in zip(kv, ctx)]).to(lc.dtype)
+    if lc.layout.window:
+        paged_torch.write_kv_window(lc, pages, key, val, qsl, torch.tensor(ctx), tables)
+    else:
+        pos = torch.cat([torch.arange(c) for c in ctx])
+        rows = torch.cat([torch.full((c,), r) for r, c in enumerate(ctx)])
+        paged_torch.write_kv(lc, pages, key, val, pos, tables[rows, pos // bs])
+    return pages, tables, kv
+
+
+def test_the_cpu_path_serves_them():
+    for case in CASES:
+        lc = _cache(case)
+        assert not cpu.encodes(lc) or not lc.layout.window
+        mod, name = ops.select(lc, torch.device("cpu"))
+        assert mod is cpu, (case, name)
+    qjl = LayerCache.build("qjl", 1, head_dim=64, block_size=256, dtype=torch.bfloat16, rope=None, num_kv_heads=2)
+    mod, name = ops.select(qjl, torch.device("cpu"))
+    assert mod is paged_torch and "sketches" in name  # QJL's key sketches: no C++ kernel yet
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_gather_bit_exact(case):
+    H, D = 2, case[1]
+    lc = _cache(case, H=H)
+    pages, tables, _ = _write_prefix(lc, LENS, H, D, seed=1)
+    for r, n in enumerate(LENS):
+        # the n - 1 tokens written (a shorter prefix's ring slots may never have been written: a prefill encodes the
+        # blocks that leave the window straight from its input)
+        K, V = cpu.gather_kv(lc, pages, tables[r], n - 1)
+        EK, EV = paged_torch.gather_kv(lc, pages, tables[r], n - 1)
+        assert torch.equal(K, EK) and torch.equal(V, EV), r
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_decode_matches_reference(case, isa):
+    H, GQ, D = 2, 3, case[1]
+    lc = _cache(case, H=H, GQ=GQ)
+    pages, tables, kv = _write_prefix(lc, LENS, H, D, seed=2)
+    g = torch.Generator().manual_seed(3)
+    R = len(LENS)
+    q = torch.randn(R, H * GQ, D, generator=g).to(lc.dtype)
+    key = torch.stack([k[-1] for k, _ in kv]).to(lc.dtype)
+    val = torch.stack([v[-1] for _, v in kv]).to(lc.dtype)
+    sl, scale = torch.tensor(LENS), D ** -0.5
+    ref = paged_torch.paged_attention(lc, pages, q, key, val, torch.arange(R + 1), sl, tables, scale,
+                                      batch_invariant=False)
+    for split_tiles in (cpu.SPLIT_TILES, 1):
+        out = cpu.decode_attention(lc, pages, q, key, val, sl, tables, scale, split_tiles=split_tiles, exact=True)
+        err = (out.float() - ref.float()).abs().amax((1, 2))
+        assert err.max() <= _tol(lc.dtype, ref), (split_tiles, err.tolist())
+        _check_f32_vs_f64(lc, pages, q, key, val, sl, tables, scale, split_tiles=split_tiles, exact=True)
+        out = cpu.decode_attention(lc, pages, q, key, val, sl, tables, scale, split_tiles=split_tiles)
+        assert (out.float() - ref.float()).abs().max() <= 2 * _tol(lc.dtype, ref), split_tiles
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4], CASES[7]], ids=[IDS[1], IDS[3], IDS[4], IDS[7]])
+def test_forward_steps_match_the_torch_path(case):
+    """Serving steps through ``cpu.forward`` (C++ reads, torch writes) and ``paged_torch.forward``: prefill chunks
+    that cross the window and page boundaries, then decode steps of a batch: the same pages, outputs within the
+    model dtype's rounding."""
+    H, GQ, D = 2, 3, case[1]
+    lc = _cache(case, H=H, GQ=GQ)
+    bs = lc.block_size
+    g = torch.Generator().manual_seed(4)
+    total = [90, 70]
+    per = -(-max(total) // bs)
+    tables = torch.randperm(2 * per, generator=g).reshape(2, per)
+    pages = torch.zeros(2 * per, H, lc.layout.bytes, dtype=torch.uint8)
+    ref = pages.clone()
+    kv = [(torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g)) for n in total]
+    done = [0, 0]
+    steps = [[37, 20], [13, 30]] + [[1, 1]] * 12
+    for step in steps:
+        qsl = torch.tensor([0] + step).cumsum(0)
+        pos = torch.cat([torch.arange(done[r], done[r] + c) for r, c in enumerate(step)])
+        rows = torch.cat([torch.full((c,), r) for r, c in enumerate(step)])
+        key = torch.cat([kv[r][0][done[r]:done[r] + c] for r, c in enumerate(step)]).to(lc.dtype)
+        val = torch.cat([kv[r][1][done[r]:done[r] + c] for r, c in enumerate(step)]).to(lc.dtype)
+        q = torch.randn(key.shape[0], H * GQ, D, generator=g).to(lc.dtype)
+        sl = torch.tensor([d + c for d, c in zip(done, step)])
+        pid = tables[rows, pos // bs]
+        want = paged_torch.forward(lc, ref, q, key, val, qsl, sl, tables, pos, pid, D ** -0.5, batch_invariant=False)
+        got = cpu.forward(lc, pages, q, key, val, qsl, sl, tables, pos, pid, D ** -0.5, batch_invariant=False)
+        assert torch.equal(pages, ref), step
+        assert (got.float() - want.float()).abs().max() <= 2 * _tol(lc.dtype, want), (step, done)
+        done = sl.tolist()
