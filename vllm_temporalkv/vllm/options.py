@@ -76,6 +76,13 @@ def _option(extra: dict, key: str, env: str, default: str) -> tuple[object, str]
     return default, key
 
 
+def small_pages_requested(vllm_config) -> bool:
+    """Whether temporalkv_small_pages is asked for - read alone, before the block size is final (the other options,
+    a recent window among them, are checked against the final one by ``serving_options``)."""
+    extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+    return _flag(*_option(extra, "temporalkv_small_pages", ENV_SMALL_PAGES, "0"))
+
+
 def serving_options(vllm_config) -> dict:
     extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
     unknown = sorted(k for k in extra if str(k).startswith("temporalkv") and k not in OPTIONS)

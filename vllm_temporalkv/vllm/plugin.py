@@ -8,7 +8,7 @@ from __future__ import annotations
 from ..artifact import ArtifactError
 from ..formats import FORMATS, get_format
 from .options import (DEFAULT_BLOCK_SIZE, SMALL_BLOCK_SIZE, TemporalKVConfigError, load_artifact, logger,
-                      serving_options)
+                      serving_options, small_pages_requested)
 
 BACKEND_PATH = "vllm_temporalkv.vllm.backend.TemporalKVBackend"
 
@@ -101,7 +101,9 @@ def _on_config(vllm_config) -> None:
     if not is_ours(cc.cache_dtype) or vllm_config.model_config is None:
         return
     if not compat.user_specified_block_size(cc):
-        if serving_options(vllm_config)["small_pages"]:
+        # (not serving_options: it checks the recent window against the platform's default block size, which a
+        # selective format's default window of 128 does not fit)
+        if small_pages_requested(vllm_config):
             logger.info("%s: small pages of %d tokens (codes only; each request's sinks and incomplete block in two "
                         "pages of a second KV-cache group); pass --block-size to override", cc.cache_dtype,
                         SMALL_BLOCK_SIZE)
