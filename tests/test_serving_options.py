@@ -82,3 +82,17 @@ def test_bad_options(tmp_path, monkeypatch, extra, env, message):
 
 def test_other_plugins_keys_are_left_alone(tmp_path):
     assert serving_options(cfg(tmp_path, some_other_plugin={"x": 1}))["format"] == "temporalkv-2bit"
+
+
+def test_default_window_fits_the_block_size_the_plugin_sets(tmp_path, monkeypatch):
+    """A selective format at its default recent window (128) on a platform whose default block size is 128: the
+    plugin sets its own 1024-token pages before checking the window against them (it once checked first and refused
+    `vllm bench throughput --kv-cache-dtype selective-int4`: "136 tokens must fit in one page of 128")."""
+    from vllm_temporalkv.vllm import plugin
+
+    monkeypatch.setattr(plugin, "_check_model", lambda vc: serving_options(vc))  # the model checks need a real model
+    vc = cfg(tmp_path, "selective-int4")
+    vc.cache_config.block_size = 128  # the platform's default, not the user's
+    plugin._on_config(vc)
+    assert vc.cache_config.block_size == 1024
+    assert serving_options(vc)["window"] == 128
