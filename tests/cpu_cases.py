@@ -39,3 +39,23 @@ def _check_f32_vs_f64(lc, pages, q, key, val, sl, tables, scale, **kw):
     got = cpu.decode_attention(lc, pages, q, key, val, sl, tables, scale, out=torch.empty(R, Hq, D), **kw)
     err = (got.double() - want).abs().max().item()
     assert err <= 1e-5 * max(1.0, want.abs().max().item()), err
+
+
+def _prefill_dense(q, ke, ve, kd, vd, scale, offset, window=0):
+    """The prefill attention's definition in float64: query offset + i sees keys 0 .. itself, those before its own
+    8-token block (with a recent window: window tokens before it) decoded (block 0, the sinks, exact), the rest
+    exact."""
+    n = offset + q.shape[0]
+    p = torch.arange(offset, n)[:, None]
+    t = torch.arange(n)[None, :]
+    dec = (t < torch.where((p < 8) | (p < window), 0, (p - window) // 8 * 8))[:, None, :]  # [Tq, 1, n]
+    g = q.shape[1] // ke.shape[1]
+    qh = q.double().transpose(0, 1)  # [Hq, Tq, D]
+    heads = lambda x: x[:n].double().repeat_interleave(g, 1).transpose(0, 1)  # noqa: E731 - [Hq, n, D]
+    s = torch.where(dec, (qh @ heads(kd).transpose(1, 2)).transpose(0, 1),
+                    (qh @ heads(ke).transpose(1, 2)).transpose(0, 1)) * scale  # [Tq, Hq, n]
+    w = torch.softmax(s.masked_fill((t > p)[:, None, :], float("-inf")), -1)
+    zero = torch.zeros((), dtype=w.dtype)
+    od = torch.where(dec, w, zero).transpose(0, 1) @ heads(vd)
+    oe = torch.where(dec, zero, w).transpose(0, 1) @ heads(ve)
+    return (od + oe).transpose(0, 1)

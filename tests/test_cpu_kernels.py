@@ -14,7 +14,7 @@
 import pytest
 import torch
 
-from tests.cpu_cases import _check_f32_vs_f64, _tol, make_cache
+from tests.cpu_cases import _check_f32_vs_f64, _prefill_dense, _tol, make_cache
 from vllm_temporalkv.codecs import base as codec_base
 from vllm_temporalkv.ops import cpu, paged_torch
 
@@ -345,10 +345,12 @@ def test_forward_writes_then_reads_back(case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_forward_prefill_does_not_depend_on_chunking(dtype):
-    """ops.cpu.forward (the serving step, float32 attention): a prompt prefilled whole, at page-size chunks or at
+def test_forward_prefill_does_not_depend_on_chunking(dtype, monkeypatch):
+    """ops.cpu.forward (the serving step, float32 attention) with the C++ prefill kernel (the default but on a bf16
+    model on an AMX CPU; VLLM_TEMPORALKV_CPU_PREFILL=kernel): a prompt prefilled whole, at page-size chunks or at
     the arbitrary cuts a loaded scheduler makes gives every query the same output bit for bit.  (A chunk of one
     token is served as a decode, by the fused decode kernel, which rounds differently.)"""
+    monkeypatch.setattr(cpu, "PREFILL", "kernel")
     D, n = 64, 600
     lc = make_cache("temporalkv-2bit", D, True, dtype, 1)
     g = torch.Generator().manual_seed(12)
@@ -366,26 +368,6 @@ def test_forward_prefill_does_not_depend_on_chunking(dtype):
         outs.append(out)
     for o in outs[1:]:
         assert torch.equal(o, outs[0]), (o.float() - outs[0].float()).abs().max()
-
-
-def _prefill_dense(q, ke, ve, kd, vd, scale, offset, window=0):
-    """The prefill attention's definition in float64: query offset + i sees keys 0 .. itself, those before its own
-    8-token block (with a recent window: window tokens before it) decoded (block 0, the sinks, exact), the rest
-    exact."""
-    n = offset + q.shape[0]
-    p = torch.arange(offset, n)[:, None]
-    t = torch.arange(n)[None, :]
-    dec = (t < torch.where((p < 8) | (p < window), 0, (p - window) // 8 * 8))[:, None, :]  # [Tq, 1, n]
-    g = q.shape[1] // ke.shape[1]
-    qh = q.double().transpose(0, 1)  # [Hq, Tq, D]
-    heads = lambda x: x[:n].double().repeat_interleave(g, 1).transpose(0, 1)  # noqa: E731 - [Hq, n, D]
-    s = torch.where(dec, (qh @ heads(kd).transpose(1, 2)).transpose(0, 1),
-                    (qh @ heads(ke).transpose(1, 2)).transpose(0, 1)) * scale  # [Tq, Hq, n]
-    w = torch.softmax(s.masked_fill((t > p)[:, None, :], float("-inf")), -1)
-    zero = torch.zeros((), dtype=w.dtype)
-    od = torch.where(dec, w, zero).transpose(0, 1) @ heads(vd)
-    oe = torch.where(dec, zero, w).transpose(0, 1) @ heads(ve)
-    return (od + oe).transpose(0, 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -68,7 +68,8 @@ def select(lc, device) -> tuple[ModuleType, str]:
 
         if cpu.supports(lc):
             if cpu.encodes(lc):
-                return cpu, f"C++ ({cpu.isa()})"
+                flash = "; prefill attention on torch's flash kernel" if cpu.use_flash_prefill(lc.dtype) else ""
+                return cpu, f"C++ ({cpu.isa()}{flash})"
             what = "a recent window's" if lc.layout.window else "scaled codes'"
             return cpu, f"C++ ({cpu.isa()}; {what} cache update in torch)"
         if not cpu.available():

@@ -1,0 +1,88 @@
+"""The fast prefill on torch's flash kernel (ops/cpu_flash.py, the default for a bf16 model on an AMX CPU): the
+attention ops.cpu.prefill_attention defines, from three parts merged by their log-sum-exps, within bf16 rounding;
+served through ops.cpu.forward when selected; and when the auto setting selects it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.cpu_cases import _prefill_dense, make_cache
+from vllm_temporalkv.ops import cpu, cpu_flash
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C++ extension (the served path) is not built")
+
+# bf16 GEMMs inside flash (scores and weights rounded to bf16) and bf16 partial outputs: ~2^-8 of the largest output
+FLASH_TOL = 1.5e-2
+
+
+@pytest.mark.parametrize("H,G,D", [(3, 3, 64), (2, 4, 128), (1, 1, 96)])
+def test_flash_prefill_matches_the_definition(H, G, D):
+    """Chunks at offsets inside the sinks, inside and on block boundaries, and deep in a context (where part (a),
+    the decoded keys every query sees, exists), of lengths 1 .. 300: within bf16 rounding of the float64
+    definition.  Decoded and exact keys are independent here, so taking one for the other fails by O(1)."""
+    g = torch.Generator().manual_seed(5)
+    n = 640
+    q = torch.randn(n, H * G, D, generator=g).bfloat16()
+    ke, ve, kd, vd = (torch.randn(n, H, D, generator=g).bfloat16() for _ in range(4))
+    kd[200:240] *= 4  # a few large decoded scores
+    for a, b in [(0, 1), (0, 5), (3, 20), (7, 9), (8, 16), (13, 100), (64, 65), (100, 400), (333, 640), (630, 640)]:
+        x = cpu._own_block(a)
+        got = cpu_flash.flash_prefill(q[a:b], kd[:b], vd[:b], ke[x:b], ve[x:b], x, a, D ** -0.5)
+        want = _prefill_dense(q[a:b], ke, ve, kd, vd, D ** -0.5, a)
+        assert got.dtype == torch.bfloat16 and got.shape == (b - a, H * G, D)
+        err = (got.double() - want).abs().max().item()
+        assert err <= FLASH_TOL * want.abs().max().item(), (a, b, err)
+        # and the C++ kernel's float32 answer to the same chunk, as closely
+        ref = cpu.prefill_attention(q[a:b], kd[:b], vd[:b], ke[x:b], ve[x:b], x, a, D ** -0.5,
+                                    out=torch.empty(b - a, H * G, D))
+        assert (got.float() - ref).abs().max().item() <= FLASH_TOL * ref.abs().max().item(), (a, b)
+
+
+def test_forward_serves_the_flash_prefill_when_selected(monkeypatch):
+    """ops.cpu.forward on a bf16 model, prompts cut into chunks: with VLLM_TEMPORALKV_CPU_PREFILL=flash the outputs
+    are the C++ kernel's within bf16 rounding, not bit for bit (so the flash kernel did serve), and the pages
+    written for the same cuts are identical (the prefill attention does not touch the cache update)."""
+    D, n = 64, 600
+    lc = make_cache("temporalkv-2bit", D, True, torch.bfloat16, 1)
+    g = torch.Generator().manual_seed(12)
+    k, v = torch.randn(n, 2, D, generator=g).bfloat16(), torch.randn(n, 2, D, generator=g).bfloat16()
+    q = torch.randn(n, 6, D, generator=g).bfloat16()
+    table = torch.randperm(n // 16 + 1, generator=g)
+    runs = {}
+    for mode in ("kernel", "flash"):
+        monkeypatch.setattr(cpu, "PREFILL", mode)
+        for cuts in ([0, n], [0, 3, 61, 64, 333, 590, n]):
+            pages = torch.zeros(len(table), 2, lc.layout.bytes, dtype=torch.uint8)
+            out = torch.empty(n, 6, D, dtype=torch.bfloat16)
+            for a, b in zip(cuts, cuts[1:]):
+                pos = torch.arange(a, b)
+                out[a:b] = cpu.forward(lc, pages, q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]),
+                                       torch.tensor([b]), table[None], pos, table[pos // 16], D ** -0.5,
+                                       batch_invariant=False)
+            runs[mode, len(cuts)] = out, pages
+    ref = runs["kernel", 2][0]
+    tol = FLASH_TOL * ref.float().abs().max().item()
+    for (mode, cuts), (out, pages) in runs.items():
+        assert torch.equal(pages, runs["kernel", cuts][1])
+        assert (out.float() - ref.float()).abs().max().item() <= tol
+    assert not torch.equal(runs["flash", 2][0], ref)
+
+
+def test_auto_selects_flash_for_bf16_on_amx_only(monkeypatch):
+    """The auto setting: a bf16 model on an AMX CPU, not with VLLM_TEMPORALKV_CPU_EXACT=1; flash / kernel as
+    forced; a bad value of the variable is refused at import with the fix named."""
+    monkeypatch.setattr(cpu, "PREFILL", "auto")
+    monkeypatch.setattr(cpu, "EXACT", False)
+    for cls, dtype, want in [("amx", torch.bfloat16, True), ("amx", torch.float32, False),
+                             ("avx512bf16", torch.bfloat16, False), ("avx2", torch.bfloat16, False)]:
+        monkeypatch.setattr(cpu, "cpu_class", lambda c=cls: c)
+        assert cpu.use_flash_prefill(dtype) is want, (cls, dtype)
+    monkeypatch.setattr(cpu, "cpu_class", lambda: "amx")
+    monkeypatch.setattr(cpu, "EXACT", True)
+    assert not cpu.use_flash_prefill(torch.bfloat16)
+    monkeypatch.setattr(cpu, "PREFILL", "flash")
+    assert cpu.use_flash_prefill(torch.float32)
+    monkeypatch.setattr(cpu, "PREFILL", "kernel")
+    monkeypatch.setattr(cpu, "EXACT", False)
+    assert not cpu.use_flash_prefill(torch.bfloat16)
