@@ -59,7 +59,8 @@ def markdown(report: dict) -> str:
         f"K {'channel-chunked (hybrid layers)' if s['hybrid_k'] else 'as the format'}.",
         "",
         "One layer, the step's attention (cache update not timed).  C++ = `ops.cpu.paged_attention` (decode: the "
-        "fused kernel from the codes; prefill: torch attention on C++-gathered K/V), torch = "
+        f"fused kernel from the codes; prefill: {s.get('prefill_attention', 'the C++ prefill kernel')} on "
+        "C++-gathered K/V), torch = "
         f"`ops.paged_torch.paged_attention`, both `batch_invariant=False`; vLLM {dt} = "
         f"`torch.ops._C.cpu_attention_with_kv_cache` on a {dt} paged cache of the same B x L; SDPA = torch SDPA on "
         f"dense {dt} K/V.  x = baseline ms / C++ ms.  B/tok = bytes read per cached token and layer (codes + "

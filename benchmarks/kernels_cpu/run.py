@@ -37,7 +37,9 @@ def run(a) -> dict:
                     reps=a.reps, warmup=a.warmup, min_reps=a.min_reps, budget_s=a.budget_s,
                     check_requests=a.check_requests, check_tokens=a.check_tokens, check_queries=a.check_queries,
                     flush_bytes=a.flush_bytes, copy_bytes=a.copy_bytes, torch_path=a.torch_path, sdpa=a.sdpa,
-                    seed=a.seed)
+                    seed=a.seed,
+                    prefill_attention="torch's flash kernel (ops.cpu_flash)" if cpu_ops.use_flash_prefill(dtype)
+                    else "the C++ prefill kernel")
     report = dict(settings=settings, smoke=a.smoke, machine=machine, cpp_available=cpp, cpp_isa=cpu_ops.isa(),
                   cpp_supported_isas=cpu_ops.supported_isas(), cpp_load_error=cpu_ops._LOAD_ERROR,
                   vllm=None, timer=timer.mode, bandwidth=bw, rows=[], run=run_record())

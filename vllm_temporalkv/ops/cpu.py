@@ -21,6 +21,7 @@ Ops (each the twin of the torch path in ``paged_torch``, which stays the oracle)
   fused kernel (unless ``batch_invariant``), the others to the prefill kernel on C++-gathered K/V.
 * ``prefill_attention(...)``: a prefill chunk's attention (csrc/prefill_impl.h): its queries over the decoded
   context and their own blocks' exact keys in one pass, float32, GQA without K/V copies, chunk-invariant.
+  On an AMX CPU a bf16 model's served chunks take ``cpu_flash.flash_prefill`` instead (``use_flash_prefill``).
 * ``forward(...)``: a layer's step (attention + cache update), the backend's entry point; a prefill chunk
   is written first and its completed blocks read back decoded, so they are encoded once.
 
@@ -390,9 +391,11 @@ def _own_block(p: int, window: int = 0) -> int:
 
 def attend_fast(q, k_exact, v_exact, k_dec, v_dec, scale, offset, window: int = 0):
     """``paged_torch._attend_fast``'s twin (its arguments: full-length exact and decoded K/V) on the C++ prefill
-    kernel."""
+    kernel, or on torch's flash kernel where a served chunk would be (``use_flash_prefill``; no recent window)."""
     x = _own_block(offset, window)
     n = offset + q.shape[0]
+    if not window and use_flash_prefill(q.dtype):  # as a served chunk (_prefill)
+        return flash_prefill(q, k_dec, v_dec, k_exact[x:n], v_exact[x:n], x, offset, scale)
     return prefill_attention(q, k_dec, v_dec, k_exact[x:n], v_exact[x:n], x, offset, scale, window=window)
 
 
