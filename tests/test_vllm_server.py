@@ -68,7 +68,10 @@ def server_triton(smollm2_dir, tiny_artifact):
     with VLLMServer(smollm2_dir, "--kv-cache-dtype", "temporalkv-4bit", "--served-model-name", "smollm2",
                     "--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager", "--additional-config",
                     json.dumps({"temporalkv_artifact": str(tiny_artifact)}),
-                    env={"VLLM_TEMPORALKV_OPS": "triton", "TRITON_INTERPRET": "1"}) as s:
+                    env={"VLLM_TEMPORALKV_OPS": "triton", "TRITON_INTERPRET": "1",
+                         # the oracle's prefill (the C++ kernel; on an AMX CPU a bf16 model's default is torch's
+                         # flash kernel, whose bf16 rounding moved a logprob by 0.3 nats against it there)
+                         "VLLM_TEMPORALKV_CPU_PREFILL": "kernel"}) as s:
         yield s
 
 
