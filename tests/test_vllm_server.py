@@ -18,6 +18,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("vllm")
 
 from vllm_temporalkv.harness.server import VLLMServer  # noqa: E402
+from vllm_temporalkv.cpu_isa import cpu_class  # noqa: E402
 
 MAX_LEN = 2048
 
@@ -506,8 +507,12 @@ def test_triton_path_serves_like_the_oracle(server_triton, server_4bit, austen_i
         got = list(ex.map(lambda p: ask(server_triton, p), prompts))
     want = [ask(server_4bit, p) for p in prompts]
     print(f"\ntriton {got}\noracle {want}")
+    # on an AMX Xeon vLLM's own bf16 GEMMs round differently per batch shape (two requests at once here, one at a
+    # time for the oracle) and move logprobs by tenths of a nat (README, batch variance: 0.13-0.29 seen here with
+    # either prefill); a page read wrongly moves them by nats
+    tol = 0.5 if cpu_class() == "amx" else 0.1
     for (tg, lg), (tw, lw) in zip(got, want):
-        n = next((i for i, (a, b) in enumerate(zip(lg, lw)) if abs(a - b) > 0.1), len(lg))
+        n = next((i for i, (a, b) in enumerate(zip(lg, lw)) if abs(a - b) > tol), len(lg))
         assert n >= 1, (tg, tw, lg, lw)  # the first token, and its logprob, agree
         if tg == tw:
             assert n == len(lg), (lg, lw)
