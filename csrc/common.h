@@ -148,6 +148,33 @@ struct PrefillArgs {
   const uint16_t* kxT16 = nullptr;
 };
 
+// Each query's last 8 positions (p - 7 .. p: decoded before p's own block, exact from it) merged with attention
+// parts computed elsewhere - torch's flash kernel over the decoded keys before them (ops/cpu_flash.py) - by
+// log-sum-exp.  Elements (q, keys, values, parts' outputs, out): float32, or bf16 bits with bf16 = 1.  Strides in
+// elements; every row's D values contiguous.
+struct WindowPart {
+  const void* o;                 // [H, g, Tq - t0, D]: the part's output for query t0 + t, head h * g + i
+  int64_t so_h, so_i, so_t;
+  const float* lse;              // [H, g, Tq - t0]: its log-sum-exp (-inf: the query saw nothing there)
+  int64_t sl_h, sl_i, sl_t;
+  int64_t t0;                    // first query the part covers
+};
+struct WindowArgs {
+  int Tq, H, g, D, bf16, np;
+  int64_t offset, x0;            // position of query 0; of kx's row 0
+  float scale;
+  const void* q;                 // [Tq, Hq, D]
+  int64_t sq_t, sq_h;
+  const void *kd, *vd;           // [>= own block of the last query, H, D]: decoded, from position 0
+  int64_t skd_t, skd_h, svd_t, svd_h;
+  const void *kx, *vx;           // [., H, D]: exact, from position x0 (<= the first query's own block)
+  int64_t skx_t, skx_h, svx_t, svx_h;
+  void* out;                     // [Tq, Hq, D]
+  int64_t so_t, so_h;
+  const WindowPart* parts;
+};
+constexpr int WIN_ROWS = 32;     // queries per window_item
+
 // The entry points every ISA unit defines (namespace tkv::<isa>).
 struct Kernels {
   const char* name;
@@ -157,6 +184,7 @@ struct Kernels {
   void (*encode_item)(const EncodeArgs&, int64_t item);   // item = end index * H + h
   void (*nearest_rows)(const float* vecs, const float* centT, int64_t* out, int64_t n, int K, int v);
   void (*prefill_item)(const PrefillArgs&, int64_t item);  // item = h * groups + group of PF_ROWS rows
+  void (*window_item)(const WindowArgs&, int64_t item);    // item = h * chunks + chunk of WIN_ROWS queries
 };
 
 namespace avx512 { extern const Kernels kernels; }

@@ -530,6 +530,80 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kdT, const at::Ten
   parallel_items(H * groups, [&](int64_t i) { kern->prefill_item(a, i); });
 }
 
+// The flash prefill's window part and merge (WindowArgs; ops/cpu_flash.py): out [Tq, Hq, D] = softmax over each
+// query's last 8 positions (kd / vd decoded from position 0, kx / vx exact from x0) and the parts (o [H, g, Tq - t0,
+// D], lse [H, g, Tq - t0] float32, first query t0), merged by log-sum-exp.  q, keys, values, parts' outputs and out:
+// one dtype, float32 or bfloat16, each row's D values contiguous (other strides free).
+void window_merge(const at::Tensor& q, const at::Tensor& kd, const at::Tensor& vd, const at::Tensor& kx,
+                  const at::Tensor& vx, int64_t x0, int64_t offset, double scale, const std::vector<at::Tensor>& po,
+                  const std::vector<at::Tensor>& plse, const std::vector<int64_t>& pt0, at::Tensor& out) {
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "window_merge: float32 or bfloat16, got ", dt);
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out: [Tq, Hq, D]");
+  const int64_t Tq = q.size(0), Hq = q.size(1), D = q.size(2);
+  TORCH_CHECK(D % 32 == 0 && D <= MAX_D, "head_dim must be a multiple of 32 and at most ", MAX_D);
+  TORCH_CHECK(kd.dim() == 3 && kd.sizes() == vd.sizes() && kx.dim() == 3 && kx.sizes() == vx.sizes() &&
+                  kd.size(2) == D && kx.size(2) == D && kd.size(1) == kx.size(1),
+              "keys and values: [n, H, D]");
+  const int64_t H = kd.size(1);
+  TORCH_CHECK(H > 0 && Hq % H == 0, "query heads must be a multiple of the KV heads");
+  const int64_t g = Hq / H;
+  TORCH_CHECK(po.size() == plse.size() && po.size() == pt0.size() && po.size() <= 8, "at most 8 parts, (o, lse, t0) each");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &kd, &vd, &kx, &vx, &out})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == dt && t->stride(2) == 1,
+                "window_merge: CPU tensors of one dtype, each row contiguous");
+  std::vector<WindowPart> parts(po.size());
+  for (size_t k = 0; k < po.size(); ++k) {
+    const at::Tensor &o = po[k], &l = plse[k];
+    const int64_t tp = Tq - pt0[k];
+    TORCH_CHECK(pt0[k] >= 0 && pt0[k] <= Tq, "part t0 out of range");
+    TORCH_CHECK(o.device().is_cpu() && o.scalar_type() == dt && o.dim() == 4 && o.size(0) == H && o.size(1) == g &&
+                    o.size(2) == tp && o.size(3) == D && o.stride(3) == 1,
+                "part output: [H, g, Tq - t0, D], rows contiguous, the dtype of q");
+    TORCH_CHECK(l.device().is_cpu() && l.scalar_type() == at::kFloat && l.dim() == 3 && l.size(0) == H &&
+                    l.size(1) == g && l.size(2) == tp,
+                "part log-sum-exp: float32 [H, g, Tq - t0]");
+    parts[k] = WindowPart{o.data_ptr(), o.stride(0), o.stride(1), o.stride(2),
+                          l.data_ptr<float>(), l.stride(0), l.stride(1), l.stride(2), pt0[k]};
+  }
+  if (Tq == 0) return;
+  const int64_t own_last = exact_start(offset + Tq - 1, 0), own_first = exact_start(offset, 0);
+  TORCH_CHECK(offset >= 0 && kd.size(0) >= own_last && x0 <= own_first && x0 + kx.size(0) >= offset + Tq,
+              "the key arrays do not cover the chunk (decoded up to its last query's own block, exact from its first's)");
+  WindowArgs a;
+  a.Tq = (int)Tq;
+  a.H = (int)H;
+  a.g = (int)g;
+  a.D = (int)D;
+  a.bf16 = dt == at::kBFloat16;
+  a.np = (int)parts.size();
+  a.offset = offset;
+  a.x0 = x0;
+  a.scale = (float)scale;
+  a.q = q.data_ptr();
+  a.sq_t = q.stride(0);
+  a.sq_h = q.stride(1);
+  a.kd = kd.data_ptr();
+  a.skd_t = kd.stride(0);
+  a.skd_h = kd.stride(1);
+  a.vd = vd.data_ptr();
+  a.svd_t = vd.stride(0);
+  a.svd_h = vd.stride(1);
+  a.kx = kx.data_ptr();
+  a.skx_t = kx.stride(0);
+  a.skx_h = kx.stride(1);
+  a.vx = vx.data_ptr();
+  a.svx_t = vx.stride(0);
+  a.svx_h = vx.stride(1);
+  a.out = out.data_ptr();
+  a.so_t = out.stride(0);
+  a.so_h = out.stride(1);
+  a.parts = parts.data();
+  const int64_t chunks = (Tq + WIN_ROWS - 1) / WIN_ROWS;
+  const Kernels* kern = g_kernels;
+  parallel_items(H * chunks, [&](int64_t i) { kern->window_item(a, i); });
+}
+
 // vecs [B, N, v] f32, centT [B, v, K] f32 (centroids transposed) -> [B, N] int64 nearest indices
 at::Tensor nearest(const at::Tensor& vecs, const at::Tensor& centT) {
   check_f32(vecs, "vecs");
@@ -565,6 +639,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &tkv::write_kv, py::call_guard<py::gil_scoped_release>());
   m.def("nearest", &tkv::nearest, py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention", &tkv::prefill_attention, py::call_guard<py::gil_scoped_release>());
+  m.def("window_merge", &tkv::window_merge, py::call_guard<py::gil_scoped_release>());
   m.def("bf16_dot", &tkv::bf16_dot, "whether prefill_attention takes bf16 scores here (avx512 + AVX512_BF16)");
   m.attr("TILE") = tkv::TILE;
   // bumped whenever an op's arguments change: ops/cpu.py refuses (and says so) a stale build

@@ -218,3 +218,85 @@ void prefill_item(const PrefillArgs& a, int64_t item) {
     default: prefill_item_t<0>(a, item); break;
   }
 }
+
+// ---- the window part of the flash prefill (WindowArgs) ----
+
+// one row of D elements (float32, or bf16 bits) -> float
+inline void win_row(const void* base, int64_t off, int bf16, int D, float* dst) {
+  if (bf16) {
+    const uint16_t* r = static_cast<const uint16_t*>(base) + off;
+    for (int c = 0; c < D; ++c) dst[c] = bf16_to_f32(r[c]);
+  } else {
+    __builtin_memcpy(dst, static_cast<const float*>(base) + off, sizeof(float) * D);
+  }
+}
+
+inline float win_dot(const float* a, const float* b, int D) {
+  vf acc = vf{};
+  for (int c = 0; c < D; c += W) acc = vfma(vload(a + c), vload(b + c), acc);
+  return hsum(acc);
+}
+
+// Queries chunk * WIN_ROWS .. of KV head h: for each, the up to 8 keys p - 7 .. p are read once and shared by the
+// g query heads; per head the scores, then one softmax over them and the parts' log-sum-exps.
+void window_item(const WindowArgs& a, int64_t item) {
+  const int64_t chunks = (a.Tq + WIN_ROWS - 1) / WIN_ROWS;
+  const int h = (int)(item / chunks);
+  const int64_t t_lo = (item % chunks) * WIN_ROWS, t_hi = (a.Tq < t_lo + WIN_ROWS ? (int64_t)a.Tq : t_lo + WIN_ROWS);
+  const int D = a.D, g = a.g;
+  alignas(64) float K[BLOCK][MAX_D], V[BLOCK][MAX_D], qf[MAX_D], acc[MAX_D], o[MAX_D];
+  for (int64_t t = t_lo; t < t_hi; ++t) {
+    const int64_t p = a.offset + t, own = exact_start(p, 0);
+    int nk = 0;
+    for (int64_t pos = (p >= BLOCK - 1 ? p - (BLOCK - 1) : 0); pos <= p; ++pos, ++nk) {
+      if (pos < own) {
+        win_row(a.kd, pos * a.skd_t + h * a.skd_h, a.bf16, D, K[nk]);
+        win_row(a.vd, pos * a.svd_t + h * a.svd_h, a.bf16, D, V[nk]);
+      } else {
+        win_row(a.kx, (pos - a.x0) * a.skx_t + h * a.skx_h, a.bf16, D, K[nk]);
+        win_row(a.vx, (pos - a.x0) * a.svx_t + h * a.svx_h, a.bf16, D, V[nk]);
+      }
+    }
+    for (int i = 0; i < g; ++i) {
+      const int hq = h * g + i;
+      win_row(a.q, t * a.sq_t + hq * a.sq_h, a.bf16, D, qf);
+      float s[BLOCK], pl[8];
+      float m = -__builtin_inff();
+      for (int j = 0; j < nk; ++j) {
+        s[j] = win_dot(qf, K[j], D) * a.scale;
+        m = s[j] > m ? s[j] : m;
+      }
+      for (int k = 0; k < a.np; ++k) {
+        const WindowPart& P = a.parts[k];
+        pl[k] = t < P.t0 ? -__builtin_inff() : P.lse[h * P.sl_h + i * P.sl_i + (t - P.t0) * P.sl_t];
+        m = pl[k] > m ? pl[k] : m;
+      }
+      float den = 0.f;
+      for (int c = 0; c < D; ++c) acc[c] = 0.f;
+      for (int j = 0; j < nk; ++j) {
+        const float w = __builtin_expf(s[j] - m);
+        den += w;
+        const vf wv = vbc(w);
+        for (int c = 0; c < D; c += W) vstore(acc + c, vfma(wv, vload(V[j] + c), vload(acc + c)));
+      }
+      for (int k = 0; k < a.np; ++k) {
+        if (pl[k] == -__builtin_inff()) continue;
+        const WindowPart& P = a.parts[k];
+        const float w = __builtin_expf(pl[k] - m);
+        den += w;
+        win_row(P.o, h * P.so_h + i * P.so_i + (t - P.t0) * P.so_t, a.bf16, D, o);
+        const vf wv = vbc(w);
+        for (int c = 0; c < D; c += W) vstore(acc + c, vfma(wv, vload(o + c), vload(acc + c)));
+      }
+      const float inv = 1.f / den;
+      const int64_t off = t * a.so_t + hq * a.so_h;
+      if (a.bf16) {
+        uint16_t* r = static_cast<uint16_t*>(a.out) + off;
+        for (int c = 0; c < D; ++c) r[c] = f32_to_bf16(acc[c] * inv);
+      } else {
+        float* r = static_cast<float*>(a.out) + off;
+        for (int c = 0; c < D; ++c) r[c] = acc[c] * inv;
+      }
+    }
+  }
+}

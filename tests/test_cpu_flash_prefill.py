@@ -39,6 +39,41 @@ def test_flash_prefill_matches_the_definition(H, G, D):
         assert (got.float() - ref).abs().max().item() <= FLASH_TOL * ref.abs().max().item(), (a, b)
 
 
+@pytest.mark.parametrize("isa", cpu.supported_isas())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_merge_on_every_isa(isa, dtype):
+    """Part (c) and the merge (C++ window_merge) on each ISA variant, from strided views (q and out rows of wider
+    tensors, keys [n, H, D] slices of a K/V pair): float32 end to end is the C++ prefill kernel's answer to float32
+    rounding (flash sums in another order), bf16 within bf16 rounding."""
+    H, G, D = 2, 3, 64
+    g = torch.Generator().manual_seed(9)
+    n = 300
+    wide = torch.randn(n, 2 * H * G, D, generator=g).to(dtype)
+    q = wide[:, 1::2]  # [n, Hq, D], head stride 2 D
+    kvd, kve = (torch.randn(n, 2, H, D, generator=g).to(dtype) for _ in range(2))
+    kd, vd, ke, ve = kvd[:, 0], kvd[:, 1], kve[:, 0], kve[:, 1]
+    before = cpu.isa()
+    try:
+        cpu.set_isa(isa)
+        for a, b in [(0, 7), (5, 41), (16, 200), (150, 300)]:
+            x = cpu._own_block(a)
+            out = torch.zeros(b - a, 2 * H * G, D, dtype=dtype)[:, ::2]
+            cpu_flash.flash_prefill(q[a:b], kd[:b], vd[:b], ke[x:b], ve[x:b], x, a, D ** -0.5, out)
+            ref = cpu.prefill_attention(q[a:b].float(), kd[:b].float(), vd[:b].float(), ke[x:b].float(),
+                                        ve[x:b].float(), x, a, D ** -0.5, out=torch.empty(b - a, H * G, D))
+            tol = 2e-5 if dtype == torch.float32 else FLASH_TOL
+            assert (out.float() - ref).abs().max().item() <= tol * ref.abs().max().item(), (a, b)
+    finally:
+        cpu.set_isa(before)
+
+
+def test_window_merge_refuses_mixed_dtypes():
+    q = torch.randn(4, 2, 64).bfloat16()
+    k = torch.randn(4, 1, 64)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        cpu._C.window_merge(q, k, k, k, k, 0, 0, 0.125, [], [], [], torch.empty_like(q))
+
+
 def test_forward_serves_the_flash_prefill_when_selected(monkeypatch):
     """ops.cpu.forward on a bf16 model, prompts cut into chunks: with VLLM_TEMPORALKV_CPU_PREFILL=flash the outputs
     are the C++ kernel's within bf16 rounding, not bit for bit (so the flash kernel did serve), and the pages
