@@ -52,11 +52,11 @@ from ..layout import TAIL_SLOT0
 from ..methods import BLOCK_TOKENS, KERNEL_SCALAR, SINK_TOKENS
 from ..cpu_isa import cpu_class
 from ..page_views import region_view
-from .cpu_flash import flash_prefill
+from .cpu_flash import flash_prefill, register_window_merge
 
 logger = logging.getLogger("vllm.temporalkv")
 
-ABI_VERSION = 9  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
+ABI_VERSION = 10  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
 # split-K: every request's context is cut at the same tile boundaries whatever the batch, so its output does
 # not depend on which requests share the step (a batch-dependent split count changed float32 rounding, and a
 # 2-bit cache amplifies that through the codes of later tokens: benchmarks/stress.py).  Long splits cost less
@@ -113,6 +113,7 @@ def _load():
         from ..codecs.base import register_nearest
 
         register_nearest("cpu", nearest)
+        register_window_merge(_C.window_merge)
 
 
 def available() -> bool:

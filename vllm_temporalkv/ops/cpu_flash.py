@@ -29,6 +29,14 @@ import torch
 from ..layout import BLOCK_TOKENS
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+# part (c) and the merge: the C++ extension's window_merge, registered by ops.cpu when it loads the extension (this
+# module is imported by ops.cpu, so it does not import it back)
+_window_merge = None
+
+
+def register_window_merge(fn) -> None:
+    global _window_merge
+    _window_merge = fn
 
 
 @torch.no_grad()
@@ -59,11 +67,13 @@ def flash_prefill(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, kx: torch
         vb = vd[a:b].transpose(0, 1).repeat_interleave(g, 0)[None]
         o, lse = _flash(q[qlo:].transpose(0, 1)[None], kb, vb, is_causal=True, scale=scale)
         parts.append((o[0].view(H, g, Tq - qlo, D), lse[0].view(H, g, Tq - qlo), qlo))
-    # (c) and the merge: the C++ extension (csrc/prefill_impl.h window_item), which ops.cpu has loaded
-    from . import cpu
-    cpu._C.window_merge(q, kd, vd, kx, vx, x0, offset, float(scale), [p[0] for p in parts], [p[1] for p in parts],
-                        [p[2] for p in parts], out)
+    # (c) and the merge: the C++ extension (csrc/prefill_impl.h window_item)
+    if _window_merge is None:
+        raise RuntimeError("flash_prefill needs the C++ CPU extension (vllm_temporalkv._C_cpu), which is not loaded: "
+                           "rebuild it with `pip install --no-build-isolation -e . --no-deps`")
+    _window_merge(q, kd, vd, kx, vx, x0, offset, float(scale), [p[0] for p in parts], [p[1] for p in parts],
+                  [p[2] for p in parts], out)
     return out
 
 
-__all__ = ["flash_prefill"]
+__all__ = ["flash_prefill", "register_window_merge"]
