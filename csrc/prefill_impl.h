@@ -221,11 +221,38 @@ void prefill_item(const PrefillArgs& a, int64_t item) {
 
 // ---- the window part of the flash prefill (WindowArgs) ----
 
+// W bf16 values -> float (the bits shifted into the high half), and back rounded to nearest even as torch
+inline vf bf16_vload(const uint16_t* r) {
+#if TKV_W == 16
+  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)r)), 16));
+#elif TKV_W == 8
+  return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)r)), 16));
+#else
+  vf x;
+  for (int e = 0; e < W; ++e) x[e] = bf16_to_f32(r[e]);
+  return x;
+#endif
+}
+
+inline void bf16_vstore(uint16_t* r, vf x) {
+#if TKV_W == 16
+  const __m512i u = _mm512_castps_si512((__m512)x);
+  __m512i v = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                                   _mm512_set1_epi32(0x7FFF)));
+  v = _mm512_srli_epi32(v, 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask((__m512)x, (__m512)x, _CMP_UNORD_Q);
+  v = _mm512_mask_mov_epi32(v, nan, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256((__m256i*)r, _mm512_cvtepi32_epi16(v));
+#else
+  for (int e = 0; e < W; ++e) r[e] = f32_to_bf16(x[e]);
+#endif
+}
+
 // one row of D elements (float32, or bf16 bits) -> float
 inline void win_row(const void* base, int64_t off, int bf16, int D, float* dst) {
   if (bf16) {
     const uint16_t* r = static_cast<const uint16_t*>(base) + off;
-    for (int c = 0; c < D; ++c) dst[c] = bf16_to_f32(r[c]);
+    for (int c = 0; c < D; c += W) vstore(dst + c, bf16_vload(r + c));
   } else {
     __builtin_memcpy(dst, static_cast<const float*>(base) + off, sizeof(float) * D);
   }
@@ -237,25 +264,37 @@ inline float win_dot(const float* a, const float* b, int D) {
   return hsum(acc);
 }
 
-// Queries chunk * WIN_ROWS .. of KV head h: for each, the up to 8 keys p - 7 .. p are read once and shared by the
-// g query heads; per head the scores, then one softmax over them and the parts' log-sum-exps.
+// Queries chunk * WIN_ROWS .. of KV head h: the positions their windows cover are read once (decoded rows where a
+// later block's query reads them, exact ones where their own block's does) and shared by the chunk's queries and
+// the g query heads; per head the scores, then one softmax over them and the parts' log-sum-exps.
 void window_item(const WindowArgs& a, int64_t item) {
   const int64_t chunks = (a.Tq + WIN_ROWS - 1) / WIN_ROWS;
   const int h = (int)(item / chunks);
   const int64_t t_lo = (item % chunks) * WIN_ROWS, t_hi = (a.Tq < t_lo + WIN_ROWS ? (int64_t)a.Tq : t_lo + WIN_ROWS);
   const int D = a.D, g = a.g;
-  alignas(64) float K[BLOCK][MAX_D], V[BLOCK][MAX_D], qf[MAX_D], acc[MAX_D], o[MAX_D];
+  const int64_t p_lo = a.offset + t_lo, p_hi = a.offset + t_hi - 1;
+  const int64_t P0 = p_lo >= BLOCK - 1 ? p_lo - (BLOCK - 1) : 0, NP = p_hi - P0 + 1;
+  const int64_t d_hi = exact_start(p_hi, 0), x_lo = exact_start(p_lo, 0) > P0 ? exact_start(p_lo, 0) : P0;
+  float* buf = static_cast<float*>(__builtin_malloc(sizeof(float) * 4 * NP * D));
+  float *Kd = buf, *Vd = buf + NP * D, *Kx = buf + 2 * NP * D, *Vx = buf + 3 * NP * D;
+  for (int64_t pos = P0; pos < d_hi; ++pos) {  // decoded: read by the queries of later blocks
+    win_row(a.kd, pos * a.skd_t + h * a.skd_h, a.bf16, D, Kd + (pos - P0) * D);
+    win_row(a.vd, pos * a.svd_t + h * a.svd_h, a.bf16, D, Vd + (pos - P0) * D);
+  }
+  for (int64_t pos = x_lo; pos <= p_hi; ++pos) {  // exact: read by the queries of their own block
+    win_row(a.kx, (pos - a.x0) * a.skx_t + h * a.skx_h, a.bf16, D, Kx + (pos - P0) * D);
+    win_row(a.vx, (pos - a.x0) * a.svx_t + h * a.svx_h, a.bf16, D, Vx + (pos - P0) * D);
+  }
+  alignas(64) float qf[MAX_D], acc[MAX_D], o[MAX_D];
+  const float* K[BLOCK];
+  const float* V[BLOCK];
   for (int64_t t = t_lo; t < t_hi; ++t) {
     const int64_t p = a.offset + t, own = exact_start(p, 0);
     int nk = 0;
     for (int64_t pos = (p >= BLOCK - 1 ? p - (BLOCK - 1) : 0); pos <= p; ++pos, ++nk) {
-      if (pos < own) {
-        win_row(a.kd, pos * a.skd_t + h * a.skd_h, a.bf16, D, K[nk]);
-        win_row(a.vd, pos * a.svd_t + h * a.svd_h, a.bf16, D, V[nk]);
-      } else {
-        win_row(a.kx, (pos - a.x0) * a.skx_t + h * a.skx_h, a.bf16, D, K[nk]);
-        win_row(a.vx, (pos - a.x0) * a.svx_t + h * a.svx_h, a.bf16, D, V[nk]);
-      }
+      const int64_t r = (pos - P0) * D;
+      K[nk] = pos < own ? Kd + r : Kx + r;
+      V[nk] = pos < own ? Vd + r : Vx + r;
     }
     for (int i = 0; i < g; ++i) {
       const int hq = h * g + i;
@@ -292,11 +331,13 @@ void window_item(const WindowArgs& a, int64_t item) {
       const int64_t off = t * a.so_t + hq * a.so_h;
       if (a.bf16) {
         uint16_t* r = static_cast<uint16_t*>(a.out) + off;
-        for (int c = 0; c < D; ++c) r[c] = f32_to_bf16(acc[c] * inv);
+        const vf iv = vbc(inv);
+        for (int c = 0; c < D; c += W) bf16_vstore(r + c, vload(acc + c) * iv);
       } else {
         float* r = static_cast<float*>(a.out) + off;
         for (int c = 0; c < D; ++c) r[c] = acc[c] * inv;
       }
     }
   }
+  __builtin_free(buf);
 }
