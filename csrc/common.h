@@ -159,16 +159,17 @@ struct WindowPart {
   int64_t sl_h, sl_i, sl_t;
   int64_t t0;                    // first query the part covers
 };
+struct WinRows {                 // [n, heads, D]: row (n, h) at p + n * st + h * sh
+  const void* p;
+  int64_t st, sh;
+};
 struct WindowArgs {
   int Tq, H, g, D, bf16, np;
   int64_t offset, x0;            // position of query 0; of kx's row 0
   float scale;
-  const void* q;                 // [Tq, Hq, D]
-  int64_t sq_t, sq_h;
-  const void *kd, *vd;           // [>= own block of the last query, H, D]: decoded, from position 0
-  int64_t skd_t, skd_h, svd_t, svd_h;
-  const void *kx, *vx;           // [., H, D]: exact, from position x0 (<= the first query's own block)
-  int64_t skx_t, skx_h, svx_t, svx_h;
+  WinRows q;                     // [Tq, Hq, D]
+  WinRows kd, vd;                // [>= own block of the last query, H, D]: decoded, from position 0
+  WinRows kx, vx;                // [., H, D]: exact, from position x0 (<= the first query's own block)
   void* out;                     // [Tq, Hq, D]
   int64_t so_t, so_h;
   const WindowPart* parts;

@@ -1249,48 +1249,10 @@ void gather_block(const GatherArgs& a, int64_t item) {
 
 // ---- encode: nearest centroid (the codec contract) and whole blocks -----------------------------
 
-// index of the nearest of K centroids CT [v][K] (transposed) to u [v]: squared distance summed in
-// order over the v floats without FMA, ties to the lowest index
-inline int nearest1(const float* u, const float* CT, int K, int v) {
-  if (K % W) {
-    int best = 0;
-    float bd = __builtin_inff();
-    for (int k = 0; k < K; ++k) {
-      float t = u[0] - CT[k];
-      float d = t * t;
-      for (int e = 1; e < v; ++e) {
-        t = u[e] - CT[e * K + k];
-        d = d + t * t;
-      }
-      if (d < bd) { bd = d; best = k; }
-    }
-    return best;
-  }
-  vi lane;
-  for (int i = 0; i < W; ++i) lane[i] = i;
-  vf bv = vbc(__builtin_inff());
-  vi bi = vi{};
-  for (int k0 = 0; k0 < K; k0 += W) {
-    vf t = vbc(u[0]) - vload(CT + k0);
-    vf d = t * t;
-    for (int e = 1; e < v; ++e) {
-      t = vbc(u[e]) - vload(CT + e * K + k0);
-      d = d + t * t;
-    }
-    const vi lt = d < bv;
-    bv = lt ? d : bv;
-    bi = lt ? lane + k0 : bi;
-  }
-  float bd = bv[0];
-  int best = bi[0];
-  for (int i = 1; i < W; ++i)
-    if (bv[i] < bd || (bv[i] == bd && bi[i] < best)) { bd = bv[i]; best = bi[i]; }
-  return best;
-}
-
-// nearest1 for NV vectors U[i * 8 ..] against one codebook at once: the same arithmetic per vector (so the same
-// index), but each centroid block is loaded once for NV vectors and their NV compare-select chains interleave
-// (one vector's chain is latency-bound: the prefill's cache update spent ~30% of its time in nearest1).
+// The nearest of K centroids CT [v][K] (transposed, K a multiple of W) to each of NV vectors U[n * 8 ..] at once:
+// squared distances summed in order over the v floats without FMA, ties to the lowest index.  Each centroid block
+// is loaded once for the NV vectors and their compare-select chains interleave (one vector's chain is
+// latency-bound: the prefill's cache update spent ~30% of its time on one vector at a time).
 template <int NV>
 inline void nearest_n(const float* U, const float* CT, int K, int v, int* out) {
   vi lane;
@@ -1328,6 +1290,28 @@ inline void nearest_n(const float* U, const float* CT, int K, int v, int* out) {
       if (bv[n][i] < bd || (bv[n][i] == bd && bi[n][i] < best)) { bd = bv[n][i]; best = bi[n][i]; }
     out[n] = best;
   }
+}
+
+// index of the nearest of K centroids CT [v][K] (transposed) to u [v]: squared distance summed in
+// order over the v floats without FMA, ties to the lowest index
+inline int nearest1(const float* u, const float* CT, int K, int v) {
+  if (K % W) {
+    int best = 0;
+    float bd = __builtin_inff();
+    for (int k = 0; k < K; ++k) {
+      float t = u[0] - CT[k];
+      float d = t * t;
+      for (int e = 1; e < v; ++e) {
+        t = u[e] - CT[e * K + k];
+        d = d + t * t;
+      }
+      if (d < bd) { bd = d; best = k; }
+    }
+    return best;
+  }
+  int best;
+  nearest_n<1>(u, CT, K, v, &best);
+  return best;
 }
 
 void nearest_rows(const float* vecs, const float* centT, int64_t* out, int64_t n, int K, int v) {

@@ -249,6 +249,10 @@ inline void bf16_vstore(uint16_t* r, vf x) {
 }
 
 // one row of D elements (float32, or bf16 bits) -> float
+inline void win_row(const void* base, int64_t off, int bf16, int D, float* dst);
+inline void win_row(const WinRows& r, int64_t n, int64_t h, int bf16, int D, float* dst) {
+  win_row(r.p, n * r.st + h * r.sh, bf16, D, dst);
+}
 inline void win_row(const void* base, int64_t off, int bf16, int D, float* dst) {
   if (bf16) {
     const uint16_t* r = static_cast<const uint16_t*>(base) + off;
@@ -278,12 +282,12 @@ void window_item(const WindowArgs& a, int64_t item) {
   float* buf = static_cast<float*>(__builtin_malloc(sizeof(float) * 4 * NP * D));
   float *Kd = buf, *Vd = buf + NP * D, *Kx = buf + 2 * NP * D, *Vx = buf + 3 * NP * D;
   for (int64_t pos = P0; pos < d_hi; ++pos) {  // decoded: read by the queries of later blocks
-    win_row(a.kd, pos * a.skd_t + h * a.skd_h, a.bf16, D, Kd + (pos - P0) * D);
-    win_row(a.vd, pos * a.svd_t + h * a.svd_h, a.bf16, D, Vd + (pos - P0) * D);
+    win_row(a.kd, pos, h, a.bf16, D, Kd + (pos - P0) * D);
+    win_row(a.vd, pos, h, a.bf16, D, Vd + (pos - P0) * D);
   }
   for (int64_t pos = x_lo; pos <= p_hi; ++pos) {  // exact: read by the queries of their own block
-    win_row(a.kx, (pos - a.x0) * a.skx_t + h * a.skx_h, a.bf16, D, Kx + (pos - P0) * D);
-    win_row(a.vx, (pos - a.x0) * a.svx_t + h * a.svx_h, a.bf16, D, Vx + (pos - P0) * D);
+    win_row(a.kx, pos - a.x0, h, a.bf16, D, Kx + (pos - P0) * D);
+    win_row(a.vx, pos - a.x0, h, a.bf16, D, Vx + (pos - P0) * D);
   }
   alignas(64) float qf[MAX_D], acc[MAX_D], o[MAX_D];
   const float* K[BLOCK];
@@ -298,7 +302,7 @@ void window_item(const WindowArgs& a, int64_t item) {
     }
     for (int i = 0; i < g; ++i) {
       const int hq = h * g + i;
-      win_row(a.q, t * a.sq_t + hq * a.sq_h, a.bf16, D, qf);
+      win_row(a.q, t, hq, a.bf16, D, qf);
       float s[BLOCK], pl[8];
       float m = -__builtin_inff();
       for (int j = 0; j < nk; ++j) {
