@@ -197,7 +197,7 @@ std::vector<std::string> supported_isas() {
 
 // Fused decode attention, one query token per request.  q [R, Hq, D] f32; knew/vnew [R, H, D] f32
 // (rounded to the model dtype); seq_lens [R] int32 (incl. the new token); block_tables [R, P]
-// int32; cosT/sinT [D/2, P >= tiles * TILE] f32 (Rope.cos_sin, transposed); out [R, Hq, D] f32.
+// int32; cosT/sinT [D/2, P >= tiles * DTILE] f32 (Rope.cos_sin, transposed); out [R, Hq, D] f32.
 void decode_attention(const at::Tensor& pages, const at::Tensor& q, const at::Tensor& knew,
                       const at::Tensor& vnew, const at::Tensor& seq_lens, const at::Tensor& block_tables,
                       const at::Tensor& cosT, const at::Tensor& sinT, const at::Tensor& out,
@@ -229,8 +229,8 @@ void decode_attention(const at::Tensor& pages, const at::Tensor& q, const at::Te
     max_len = std::max<int64_t>(max_len, sl[r]);
   }
   TORCH_CHECK(max_len <= block_tables.size(1) * a.lay.block_size, "seq_lens exceed the block table");
-  const int64_t max_tiles = (max_len + TILE - 1) / TILE;
-  TORCH_CHECK(cosT.size(1) >= max_tiles * TILE, "cosT/sinT: too few positions");
+  const int64_t max_tiles = (max_len + DTILE - 1) / DTILE;
+  TORCH_CHECK(cosT.size(1) >= max_tiles * DTILE, "cosT/sinT: too few positions");
   const int64_t num_pages = pages.size(0);
   {  // every page the kernel will read must exist
     const int32_t* bt = block_tables.data_ptr<int32_t>();
@@ -273,7 +273,7 @@ void decode_attention(const at::Tensor& pages, const at::Tensor& q, const at::Te
   a.exact = exact ? 1 : 0;
   if (!exact) {
     for (const auto* t : {&tcos, &tsin, &dcos, &dsin}) check_f32(*t, "decode argument");
-    TORCH_CHECK(dcos.numel() == D / 2 * TILE && dsin.numel() == D / 2 * TILE, "dcos/dsin: [D/2, TILE]");
+    TORCH_CHECK(dcos.numel() == D / 2 * DTILE && dsin.numel() == D / 2 * DTILE, "dcos/dsin: [D/2, DECODE_TILE]");
     TORCH_CHECK(tcos.dim() == 2 && tcos.size(1) == D / 2 && tsin.sizes() == tcos.sizes() &&
                     tcos.size(0) >= max_tiles, "tcos/tsin: [>= tiles, D/2]");
     a.tcos = tcos.data_ptr<float>();
@@ -632,7 +632,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &tkv::prefill_attention, py::call_guard<py::gil_scoped_release>());
   m.def("window_merge", &tkv::window_merge, py::call_guard<py::gil_scoped_release>());
   m.def("bf16_dot", &tkv::bf16_dot, "whether prefill_attention takes bf16 scores here (avx512 + AVX512_BF16)");
-  m.attr("TILE") = tkv::TILE;
+  m.attr("TILE") = tkv::TILE;  // the prefill kernel's key tiles
+  m.attr("DECODE_TILE") = tkv::DTILE;
   // bumped whenever an op's arguments change: ops/cpu.py refuses (and says so) a stale build
-  m.attr("ABI_VERSION") = 10;
+  m.attr("ABI_VERSION") = 11;
 }

@@ -162,7 +162,7 @@ def _decode_setup(case, lens, H=2, GQ=3, block_size=16, seed=2):
     return lc, pages, tables, q, key, val
 
 
-LENS = list(range(1, 21)) + [23, 24, 25, 31, 32, 33, 40, 57, 64, 65, 75]
+LENS = list(range(1, 21)) + [23, 24, 25, 31, 32, 33, 40, 57, 64, 65, 75, 129]
 
 
 @pytest.mark.parametrize("case", CASES[:4] + CASES[6:7] + CASES[9:10], ids=IDS[:4] + IDS[6:7] + IDS[9:10])
@@ -184,7 +184,7 @@ def test_decode_matches_reference(case):
     scale = case[1] ** -0.5
     ref = paged_torch.paged_attention(lc, pages, q, key, val, torch.arange(R + 1), sl, tables, scale,
                                       batch_invariant=False)
-    for split_tiles in (cpu.SPLIT_TILES, 10**6, 1):  # the default; one split; a split per 32-token tile
+    for split_tiles in (cpu.SPLIT_TILES, 10**6, 1):  # the default; one split; a split per decode tile
         out = cpu.decode_attention(lc, pages, q, key, val, sl, tables, scale, split_tiles=split_tiles, exact=True)
         assert out.dtype == q.dtype
         err = (out.float() - ref.float()).abs().amax((1, 2))

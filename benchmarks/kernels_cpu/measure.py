@@ -28,7 +28,7 @@ def compressed_bytes(lc, B: int, L: int, H: int, HQ: int, Q: int = 1) -> dict:
     cend = ctx // BLOCK * BLOCK
     blocks = max(0, cend - SINKS) // BLOCK
     exact = min(SINKS, ctx) + (ctx - cend if ctx >= SINKS else 0)
-    tile = cpu_ops._C.TILE if cpu_ops._C is not None else 32
+    tile = cpu_ops.DECODE_TILE  # the decode kernel's tile (its rope tables)
     parts = {
         "codes": B * blocks * H * 2 * lay.code_bytes,
         "outliers": B * blocks * H * 2 * lay.cap * 4,  # int16 position + half value
@@ -151,7 +151,7 @@ def bench_format(a, lc, shape: str, fmt: str, B: int, L: int, Q: int, timer, bas
         tokens_per_s=B * Q / (ms * 1e-3),
     )
     if Q == 1 and cpp_ops_has_splits():
-        row["cpp_splits"] = cpu_ops.num_splits(-(-L // cpu_ops._C.TILE))
+        row["cpp_splits"] = cpu_ops.num_splits(-(-L // cpu_ops.DECODE_TILE))
     for k in ("vllm_check_err", "vllm_check_tol", "vllm_check_ok", "vllm_check", "vllm_isa", "vllm_block_size",
               "vllm_metadata_ms", "vllm_reps", "sdpa_reps"):
         if k in base:
@@ -160,4 +160,4 @@ def bench_format(a, lc, shape: str, fmt: str, B: int, L: int, Q: int, timer, bas
 
 
 def cpp_ops_has_splits() -> bool:
-    return cpu_ops._C is not None and hasattr(cpu_ops, "num_splits") and hasattr(cpu_ops._C, "TILE")
+    return cpu_ops._C is not None and hasattr(cpu_ops, "num_splits")

@@ -8,7 +8,7 @@ Ops (each the twin of the torch path in ``paged_torch``, which stays the oracle)
   centroid table, denormalize, outliers, RoPE on decoded keys, score all query heads of the GQA
   group, online softmax, accumulate V in normalized space (denormalized once at the end); split-K
   with a log-sum-exp merge.  Sinks, the tail, the new token and the own-block-exact rule as the
-  torch path.  By default (the fast decode) keys are rotated per 32-token tile and decoded K/V are not
+  torch path.  By default (the fast decode) keys are rotated per 64-token tile (DECODE_TILE) and decoded K/V are not
   rounded to the model dtype; ``exact=True`` computes decoded K/V exactly as the torch path computes them
   (bit-identical values before the dot products), so outputs agree with the float64 oracle to ~1e-6
   relative (see ``decode_attention``).
@@ -56,13 +56,14 @@ from .cpu_flash import flash_prefill, register_window_merge
 
 logger = logging.getLogger("vllm.temporalkv")
 
-ABI_VERSION = 10  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
+ABI_VERSION = 11  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
 # split-K: every request's context is cut at the same tile boundaries whatever the batch, so its output does
 # not depend on which requests share the step (a batch-dependent split count changed float32 rounding, and a
 # 2-bit cache amplifies that through the codes of later tokens: benchmarks/stress.py).  Long splits cost less
-# (each split zeroes, rescales and reduces its accumulators: 32 tiles decode ~10% faster than 8 at batch 8,
+# (each split zeroes, rescales and reduces its accumulators: 1024 tokens decode ~10% faster than 256 at batch 8,
 # 4k tokens, 2 threads); short ones keep many threads busy on one long request.  Fixed per process.
-SPLIT_TILES = 32 if torch.get_num_threads() <= 4 else 16 if torch.get_num_threads() <= 16 else 8
+DECODE_TILE = 64  # tokens per decode tile: csrc/common.h DTILE (ABI_VERSION 11's)
+SPLIT_TILES = (1024 if torch.get_num_threads() <= 4 else 512 if torch.get_num_threads() <= 16 else 256) // DECODE_TILE
 # decode_attention's default: the fast decode, unless VLLM_TEMPORALKV_CPU_EXACT=1 (see there)
 EXACT = os.environ.get("VLLM_TEMPORALKV_CPU_EXACT") == "1"
 # a served prefill chunk's attention (use_flash_prefill): auto, flash or kernel
@@ -104,9 +105,11 @@ def _load():
                 _LOAD_ERROR = None
             except Exception as e2:  # noqa: BLE001
                 _LOAD_ERROR += f"; JIT build failed: {type(e2).__name__}: {e2}"
-    if mod is not None and getattr(mod, "ABI_VERSION", None) != ABI_VERSION:
+    if mod is not None and (getattr(mod, "ABI_VERSION", None) != ABI_VERSION
+                            or getattr(mod, "DECODE_TILE", None) != DECODE_TILE):
         _LOAD_ERROR = (f"{getattr(mod, '__file__', mod)} is a stale build (ABI {getattr(mod, 'ABI_VERSION', None)}, "
-                       f"this package expects {ABI_VERSION})")
+                       f"decode tile {getattr(mod, 'DECODE_TILE', None)}; this package expects {ABI_VERSION}, "
+                       f"{DECODE_TILE})")
         mod = None
     _C = mod
     if _C is not None:
@@ -214,7 +217,7 @@ def rope_tables(rope, n: int):
         cos, sin = rope.cos_sin(torch.arange(P, device=rope.inv_freq.device))
         hd = cos.shape[-1] // 2
         cos, sin = cos[:, 0, :hd].float().contiguous().cpu(), sin[:, 0, :hd].float().contiguous().cpu()
-        T = _C.TILE
+        T = DECODE_TILE
         have = (cos, sin, cos.t().contiguous(), sin.t().contiguous(),  # exact decode: per position
                 cos[::T].contiguous(), sin[::T].contiguous(),  # fast decode: tile starts, offsets
                 cos[:T].t().contiguous(), sin[:T].t().contiguous())
@@ -288,7 +291,7 @@ def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Te
     sl = _i32(seq_lens)
     bt = _i32(block_tables)
     max_len = int(sl.max())
-    cosT, sinT, tcos, tsin, dcos, dsin = rope_tables(lc.rope, max_len + _C.TILE)[2:]
+    cosT, sinT, tcos, tsin, dcos, dsin = rope_tables(lc.rope, max_len + DECODE_TILE)[2:]
     if exact is None:
         exact = EXACT
     q32 = query.float().contiguous()
