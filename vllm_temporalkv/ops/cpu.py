@@ -197,20 +197,31 @@ def _layout_args(lc, H: int) -> list[int]:
             lay.window]
 
 
+_ARGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer cache -> {H: its kernel arguments}
+
+
 def _args(lc, H: int):
-    kt, ki = _codec_args(lc.k, lc.layout, "k", H)
-    vt, vi = _codec_args(lc.v, lc.layout, "v", H)
-    return kt, ki, vt, vi, _layout_args(lc, H)
+    """The kernels' codec and layout arguments of a layer cache, built once per (layer cache, heads): every decode
+    step of every layer asks (rebuilding them was ~1/10 of a short-context decode step's Python)."""
+    per = _ARGS.setdefault(lc, {})
+    if H not in per:
+        kt, ki = _codec_args(lc.k, lc.layout, "k", H)
+        vt, vi = _codec_args(lc.v, lc.layout, "v", H)
+        per[H] = (kt, ki, vt, vi, _layout_args(lc, H))
+    return per[H]
 
 
 _ROPE: dict = {}  # shared by every layer's Rope with the same frequencies and scale
+_ROPE_KEY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Rope -> its key in _ROPE
 
 
 def rope_tables(rope, n: int):
     """cos, sin [P >= n, D/2] float32 for positions 0..P-1, from ``Rope.cos_sin`` itself (bit-identical
     to the torch path; channels c and c + D/2 share their values), and the same transposed [D/2, P]
     (the decode kernel's).  Grows by powers of two."""
-    key = (float(rope.scale), rope.inv_freq.detach().float().cpu().numpy().tobytes())
+    key = _ROPE_KEY.get(rope)
+    if key is None:  # (a Rope's frequencies do not change: its key once, not a device copy per call)
+        key = _ROPE_KEY[rope] = (float(rope.scale), rope.inv_freq.detach().float().cpu().numpy().tobytes())
     have = _ROPE.get(key)
     if have is None or have[0].shape[0] < n:
         P = max(1024, 1 << max(0, int(n) - 1).bit_length())
@@ -228,21 +239,32 @@ def rope_tables(rope, n: int):
 def supports(lc, pages: torch.Tensor | None = None) -> bool:
     """Whether the kernels read this layer cache's pages (decode attention, gather; else: the torch path).  Writes
     are ``encodes``'s question."""
-    D = lc.layout.head_dim
-    # codebook codes and the selective formats' scaled ones, with or without a recent window (lc.blocker: what the
-    # layer cache says these kernels cannot decode)
-    return (available() and lc.blocker(scaled=True, window=True) is None
-            and lc.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and D % 32 == 0 and D <= 256
+    return (available() and _static_support(lc)[0]
             and (pages is None or (pages.device.type == "cpu" and pages.dtype == torch.uint8
                                    and pages.is_contiguous())))
+
+
+_SUPPORT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer cache -> (kernels read, C++ encodes)
+
+
+def _static_support(lc) -> tuple[bool, bool]:
+    """What ``supports`` and ``encodes`` decide from the layer cache alone (a frozen one: decided once)."""
+    have = _SUPPORT.get(lc)
+    if have is None:
+        D = lc.layout.head_dim
+        # codebook codes and the selective formats' scaled ones, with or without a recent window (lc.blocker: what
+        # the layer cache says these kernels cannot decode)
+        reads = (lc.blocker(scaled=True, window=True) is None
+                 and lc.dtype in (torch.bfloat16, torch.float16, torch.float32) and D % 32 == 0 and D <= 256)
+        have = _SUPPORT[lc] = (reads, reads and lc.kernel_blocker is None)
+    return have
 
 
 def encodes(lc, pages: torch.Tensor | None = None) -> bool:
     """Whether ``write_kv`` encodes in C++: codebook codes without a recent window.  The others (scaled codes: one
     vectorized absmax per token; a window: blocks leave it one request at a time) are written by the torch path,
     bit-identical by definition, while the kernels still read them."""
-    return supports(lc, pages) and lc.kernel_blocker is None
+    return supports(lc, pages) and _static_support(lc)[1]
 
 
 _NONE32, _NONE64 = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64)  # no small pages
@@ -452,7 +474,7 @@ def _attend_decodes(lc, pages, query, key, value, query_start_loc, seq_lens, blo
     """The requests with one query token attend in one fused decode call (before any write of the step),
     into out.  Returns (the other requests' indices, the decode rows of query - None when every row is one)."""
     R = seq_lens.shape[0]
-    if R > 0 and query.shape[0] == R and bool((query_start_loc[1:] - query_start_loc[:-1] == 1).all()):
+    if R > 0 and query.shape[0] == R and query_start_loc.tolist() == list(range(R + 1)):  # (one list: no tensor ops)
         decode_attention(lc, pages, query, key, value, seq_lens, block_tables, scale, out,
                          small=exact)  # no per-request Python
         return [], None
