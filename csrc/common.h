@@ -35,6 +35,8 @@ struct Codec {
   int64_t val_off;       // outlier values (model half dtype)
   const float* cent;     // [H, G, KC, v] float32
   const float* centT;    // [H, G, v, KC] float32 (encode)
+  const float* csq;      // [H, G, KC] float32: each centroid's squared norm (encode's screen, kernels_impl.h)
+  const float* cmax;     // [H, G]: the largest of each codebook's csq (NaN if any is)
   const uint16_t* cent16; // [H, G, KC, v] float16 bits (decode attention: half the cache footprint)
   const float* centK;     // scalar method: [H, KC, D] (the codebook value k of every channel side by side)
   const float* mean;     // [H, D]

@@ -5,8 +5,9 @@
 //
 // Floating-point contract: the units are compiled with -ffp-contract=off, so `a * b + c` is two
 // roundings, exactly as torch's elementwise ops compute it; fused multiply-adds appear only where
-// vfma() is written (the attention math).  The encode and gather paths use no vfma and reproduce
-// the torch reference (ops/paged_torch.py) bit for bit.
+// vfma() is written (the attention math, and the encode's nearest-centroid screen, which only picks the
+// answer where a proven rounding bound says the contract's own distances agree: nearest_screen).  The encode
+// and gather paths reproduce the torch reference (ops/paged_torch.py) bit for bit.
 
 #include "common.h"
 
@@ -1320,8 +1321,154 @@ inline int nearest1(const float* u, const float* CT, int K, int v) {
   return best;
 }
 
+// lanes with a == b, a <= b (false for NaN) as bitmasks, lane i -> bit i; lanes of x where bit i of m, else y
+inline unsigned eq_mask(vf a, vf b) {
+#if TKV_W == 16
+  return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ);
+#elif TKV_W == 8
+  return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ));
+#else
+  unsigned m = 0;
+  for (int i = 0; i < W; ++i) m |= (unsigned)(a[i] == b[i]) << i;
+  return m;
+#endif
+}
+inline unsigned le_mask(vf a, vf b) {
+#if TKV_W == 16
+  return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ);
+#elif TKV_W == 8
+  return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_LE_OQ));
+#else
+  unsigned m = 0;
+  for (int i = 0; i < W; ++i) m |= (unsigned)(a[i] <= b[i]) << i;
+  return m;
+#endif
+}
+inline vf vblend(unsigned m, vf x, vf y) {
+#if TKV_W == 16
+  return _mm512_mask_blend_ps((__mmask16)m, y, x);
+#else
+  vi sel;
+  for (int i = 0; i < W; ++i) sel[i] = -(int32_t)((m >> i) & 1);
+  return sel ? x : y;
+#endif
+}
+
+// the smallest lane (W = 16 / 8: a shuffle tree; NaN-free inputs here)
+inline float hmin(vf v) {
+#if TKV_W == 16
+  return _mm512_reduce_min_ps(v);
+#elif TKV_W == 8
+  __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_min_ss(m, _mm_shuffle_ps(m, m, 1)));
+#else
+  float r = v[0];
+  for (int i = 1; i < W; ++i) r = v[i] < r ? v[i] : r;
+  return r;
+#endif
+}
+
+// The same answers as nearest_n (the contract's argmin, ties to the lowest index) with ~2/3 of its arithmetic: a
+// screen s_k = ||c_k||^2 - 2 u.c_k (one FMA per float instead of a subtract, a multiply and an add) keeps each
+// lane's smallest and second smallest; when the smallest screen of all is more than T below every other, its
+// centroid is the answer, else (rare: near-ties) nearest_n searches in full.
+// Why T proves it: with a = ||u||^2 and M = max ||c||^2, the contract's distance d_k is within gamma(v + 2) * 2 (a
+// + M) of the true one (v subtractions, squares and adds in float), the screen within gamma(3v) (a + 2M) of the
+// true s_k (csq's own sum plus v multiply-adds, fused or not), gamma(n) = n 2^-24 / (1 - n 2^-24).  If k* is the
+// contract's argmin and j the screen's, d_k* <= d_j gives s~_k* <= s~_j + 2 gamma(3v) (a + 2M) + 4 gamma(v + 2)
+// (a + M) < s~_j + 2^-15 (a + M) for v <= 8 (~4x margin, which also covers the rounding of a, M and the
+// threshold's own sum; 1e-30 covers underflow in the products): a centroid alone within T of the smallest screen
+// is k*.  A vector whose a + M is not finite and below 1e30 (overflow, inf, NaN: cmax is NaN when a centroid is)
+// is searched in full; below it every screen is finite.
+// K <= 256, a multiple of W; U's vectors `us` floats apart; csq [K] the centroids' squared norms.
+template <int NV>
+inline void nearest_screen(const float* U, int us, const float* CT, const float* csq, float cmax, int K, int v,
+                           int* out) {
+  float U2[NV][8];  // -2 u: each FMA's broadcast operand read from memory
+  for (int n = 0; n < NV; ++n)
+    for (int e = 0; e < v; ++e) U2[n][e] = -2.f * U[n * us + e];
+  const vf inf = vbc(__builtin_inff());
+  vf m1[NV], m2[NV];  // per lane: the smallest screen, the second smallest
+  vi i1[NV];
+  for (int n = 0; n < NV; ++n) {
+    m1[n] = m2[n] = inf;
+    i1[n] = vi{};
+  }
+  vi idx = iota();
+  for (int k0 = 0; k0 < K; k0 += W, idx += W) {
+    vf s[NV];
+    const vf q = vload(csq + k0), c0 = vload(CT + k0);
+    for (int n = 0; n < NV; ++n) s[n] = vfma(vbc(U2[n][0]), c0, q);
+    for (int e = 1; e < v; ++e) {
+      const vf ce = vload(CT + e * K + k0);
+      for (int n = 0; n < NV; ++n) s[n] = vfma(vbc(U2[n][e]), ce, s[n]);
+    }
+    for (int n = 0; n < NV; ++n) {
+      const vi lt = s[n] < m1[n];
+      m2[n] = vmin(m2[n], vmax(m1[n], s[n]));
+      i1[n] = lt ? idx : i1[n];
+      m1[n] = lt ? s[n] : m1[n];
+    }
+  }
+  for (int n = 0; n < NV; ++n) {
+    const float* u = U + n * us;
+    float a = u[0] * u[0];
+    for (int e = 1; e < v; ++e) a = a + u[e] * u[e];
+    const float am = a + cmax;
+    if (am < 1e30f) {  // false for inf and NaN
+      const float m = hmin(m1[n]);
+      const unsigned at = eq_mask(m1[n], vbc(m));  // the lane(s) holding the smallest screen
+      const vf rest = vmin(m2[n], vblend(at, vbc(__builtin_inff()), m1[n]));
+      if (!(at & (at - 1)) && !le_mask(rest, vbc(m + (0x1p-15f * am + 1e-30f)))) {  // one lane, nothing within T
+        out[n] = i1[n][__builtin_ctz(at)];
+        continue;
+      }
+    }
+    nearest_n<1>(u, CT, K, v, out + n);
+  }
+}
+
+// vectors screened at once: each keeps 3 registers of state (AVX-512: 32 registers, AVX2 / SSE: 16)
+constexpr int SCREEN_NV = W >= 16 ? 4 : 2;
+
+// the largest of K floats (K a multiple of W), NaN if any is (nearest_rows; the encode's come from ops/cpu.py)
+inline float vec_max(const float* x, int K) {
+  vf m = vload(x);
+  vi nan = m != m;
+  for (int k = W; k < K; k += W) {
+    const vf y = vload(x + k);
+    m = vmax(m, y);
+    nan |= y != y;
+  }
+  for (int i = 0; i < W; ++i)
+    if (nan[i]) return __builtin_nanf("");
+  return -hmin(-m);
+}
+
 void nearest_rows(const float* vecs, const float* centT, int64_t* out, int64_t n, int K, int v) {
-  for (int64_t i = 0; i < n; ++i) out[i] = nearest1(vecs + i * v, centT, K, v);
+  if (K % W || K > 256 || v > 8) {
+    for (int64_t i = 0; i < n; ++i) out[i] = nearest1(vecs + i * v, centT, K, v);
+    return;
+  }
+  alignas(64) float csq[256];
+  for (int k = 0; k < K; ++k) {  // squared norms (any rounding: the screen's bound allows for it)
+    float s = centT[k] * centT[k];
+    for (int e = 1; e < v; ++e) s = s + centT[e * K + k] * centT[e * K + k];
+    csq[k] = s;
+  }
+  const float cmax = vec_max(csq, K);
+  constexpr int NV = SCREEN_NV;
+  int idx[NV];
+  int64_t i = 0;
+  for (; i + NV <= n; i += NV) {
+    nearest_screen<NV>(vecs + i * v, v, centT, csq, cmax, K, v, idx);
+    for (int j = 0; j < NV; ++j) out[i + j] = idx[j];
+  }
+  for (; i < n; ++i) {
+    nearest_screen<1>(vecs + i * v, v, centT, csq, cmax, K, v, idx);
+    out[i] = idx[0];
+  }
 }
 
 // X [8][D]: raw values of one block (keys pre-RoPE), float32 of the model dtype.  Writes codes
@@ -1411,8 +1558,10 @@ inline void encode_rows(const Codec& cd, const Layout& L, int h, float* X, uint8
       }
     }
     if (KC % W == 0) {
-      constexpr int NV = W >= 16 ? 8 : 4;  // AVX2 / SSE: 16 registers, half as many chains
-      for (int nv = 0; nv < BLOCK; nv += NV) nearest_n<NV>(U + nv * 8, CT, KC, l, idx + nv);
+      constexpr int NV = SCREEN_NV;
+      const float* csq = cd.csq + ((int64_t)h * G + gi) * KC;
+      const float cmax = cd.cmax[(int64_t)h * G + gi];
+      for (int nv = 0; nv < BLOCK; nv += NV) nearest_screen<NV>(U + nv * 8, 8, CT, csq, cmax, KC, l, idx + nv);
     } else {
       for (int nv = 0; nv < BLOCK; ++nv) idx[nv] = nearest1(U + nv * 8, CT, KC, l);
     }

@@ -95,7 +95,8 @@ Layout make_layout(const std::vector<int64_t>& li) {
 }
 
 Codec make_codec(const std::vector<at::Tensor>& ct, const std::vector<int64_t>& ci, const Layout& L) {
-  TORCH_CHECK(ct.size() == 9, "codec tensors: [cent, centT, mean, std, inv_std, lo, hi, cent16, centK]");
+  TORCH_CHECK(ct.size() == 11,
+              "codec tensors: [cent, centT, mean, std, inv_std, lo, hi, cent16, centK, csq, cmax]");
   TORCH_CHECK(ci.size() == 13, "codec ints: [method, chunk, bits, kc, code_bytes, codes_off, idx_off, val_off, "
                                 "scales_off, qoff, mean_off, mean_c, group]");
   for (int i = 0; i < 7; ++i) check_f32(ct[i], "codec tensor");
@@ -165,6 +166,14 @@ Codec make_codec(const std::vector<at::Tensor>& ct, const std::vector<int64_t>& 
   check_f32(ct[8], "centK");
   TORCH_CHECK(ct[8].numel() == ct[0].numel(), "centK: the centroids, [H, KC, D] for the scalar method");
   c.centK = ct[8].data_ptr<float>();
+  check_f32(ct[9], "csq");
+  TORCH_CHECK(ct[9].numel() == (c.method == TEMPORAL || c.method == CHANNEL ? H * G * c.kc : 0),
+              "csq: the centroids' squared norms, [H, G, KC] for the vector methods");
+  c.csq = ct[9].data_ptr<float>();
+  check_f32(ct[10], "cmax");
+  TORCH_CHECK(ct[10].numel() == (c.method == TEMPORAL || c.method == CHANNEL ? H * G : 0),
+              "cmax: the largest squared norm of each codebook, [H, G] for the vector methods");
+  c.cmax = ct[10].data_ptr<float>();
   return c;
 }
 
@@ -635,5 +644,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("TILE") = tkv::TILE;  // the prefill kernel's key tiles
   m.attr("DECODE_TILE") = tkv::DTILE;
   // bumped whenever an op's arguments change: ops/cpu.py refuses (and says so) a stale build
-  m.attr("ABI_VERSION") = 11;
+  m.attr("ABI_VERSION") = 12;
 }

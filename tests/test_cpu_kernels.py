@@ -91,6 +91,32 @@ def test_nearest_bit_identical(v, K, isa):
     assert got.dtype == torch.int64 and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("v", [2, 4, 8])
+def test_nearest_screen_misses_no_near_tie(v, isa):
+    """The kernels screen with ||c||^2 - 2 u.c and decide within a proven rounding bound (kernels_impl.h
+    nearest_screen): against the contract's distance to every centroid, on inputs built to defeat a screen -
+    16 centroids on a sphere around each point (distances equal up to rounding: more near-ties than the torch
+    reference's top-4 screen keeps), 1-ulp neighbours, magnitudes near the screen's 1e30 limit and past it
+    (the full search), products that underflow."""
+    g = torch.Generator().manual_seed(v)
+    K, N = 256, 512
+    C = torch.randn(4, K, v, generator=g)
+    X = torch.randn(4, N, v, generator=g)
+    d = torch.randn(4, 16, v, generator=g)
+    C[:, 16:32] = X[:, :1] + 0.25 * d / d.norm(dim=-1, keepdim=True)  # a sphere around point 0 of each row
+    C[:, 40:48] = torch.nextafter(C[:, 32:40], torch.tensor(1e9))  # 1-ulp neighbours of other centroids
+    X[:, 1:64] = C[:, 32:95]  # points on centroids
+    X[:, 64:128] = (C[:, 32:96] + C[:, 40:104]) / 2  # between two centroids
+    scale = torch.tensor([1.0, 3e14, 1e16, 1e-20]).view(4, 1, 1)  # a + M ~ 1e29 (screened), ~1e32 (full), tiny
+    X, C = X * scale, C * scale
+    want = codec_base.exact_sq_dist(X[:, :, None, :], C[:, None, :, :]).argmin(-1)  # first minimum: lowest index
+    assert torch.equal(cpu.nearest(X, C), want)
+    X[0, 200, 0] = float("nan")
+    X[0, 201, 1] = float("inf")
+    got = cpu.nearest(X, C)  # not finite: the full search's answer, in range, the rest unchanged
+    assert ((got >= 0) & (got < K)).all() and torch.equal(got[1:], want[1:]) and torch.equal(got[0, :200], want[0, :200])
+
+
 # ---- cache update and gather: bit-identical ----------------------------------------------------
 
 

@@ -56,13 +56,13 @@ from .cpu_flash import flash_prefill, register_window_merge
 
 logger = logging.getLogger("vllm.temporalkv")
 
-ABI_VERSION = 11  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
+ABI_VERSION = 12  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
 # split-K: every request's context is cut at the same tile boundaries whatever the batch, so its output does
 # not depend on which requests share the step (a batch-dependent split count changed float32 rounding, and a
 # 2-bit cache amplifies that through the codes of later tokens: benchmarks/stress.py).  Long splits cost less
 # (each split zeroes, rescales and reduces its accumulators: 1024 tokens decode ~10% faster than 256 at batch 8,
 # 4k tokens, 2 threads); short ones keep many threads busy on one long request.  Fixed per process.
-DECODE_TILE = 64  # tokens per decode tile: csrc/common.h DTILE (ABI_VERSION 11's)
+DECODE_TILE = 64  # tokens per decode tile: csrc/common.h DTILE (since ABI_VERSION 11)
 SPLIT_TILES = (1024 if torch.get_num_threads() <= 4 else 512 if torch.get_num_threads() <= 16 else 256) // DECODE_TILE
 # decode_attention's default: the fast decode, unless VLLM_TEMPORALKV_CPU_EXACT=1 (see there)
 EXACT = os.environ.get("VLLM_TEMPORALKV_CPU_EXACT") == "1"
@@ -170,7 +170,7 @@ def _codec_args(q, lay, kind: str, H: int):
             else:  # selective: + the code of 0
                 ints = [_SCALED, 1, cl.code_bits, cl.n_centroids, *offs, q.codec.qmax + 1, 0, 0, 0]
             tensors = [none, none, torch.zeros(H, D), torch.ones(H, D), torch.ones(H, D), torch.zeros(H, D),
-                       torch.zeros(H, D), none.half(), none]
+                       torch.zeros(H, D), none.half(), none, none, none]
             per[key] = (tensors, ints)
             return per[key]
         codec, s = q.codec, q.stats
@@ -185,7 +185,11 @@ def _codec_args(q, lay, kind: str, H: int):
         tensors = [cent, cent.transpose(2, 3).contiguous(), f32(s.mean), f32(s.std), f32(s.inv_std), f32(s.lo),
                    f32(s.hi), cent.half().contiguous(),
                    # scalar method: [H, KC, D], a codebook entry of every channel side by side (vector loads)
-                   cent.permute(0, 2, 1, 3).contiguous() if scalar else cent]
+                   cent.permute(0, 2, 1, 3).contiguous() if scalar else cent,
+                   # vector methods: each centroid's squared norm [H, G, KC] (and below each codebook's largest):
+                   # the encode's screen (kernels_impl.h nearest_screen)
+                   torch.empty(0) if scalar else (cent * cent).sum(-1).contiguous()]
+        tensors.append(torch.empty(0) if scalar else tensors[-1].amax(-1).contiguous())  # [H, G]; NaN propagates
         per[key] = (tensors, ints)
     return per[key]
 
