@@ -143,6 +143,44 @@ inline vf vround(vf x, int bf16) {  // bf16: 1 bfloat16, 0 float16, 2 no roundin
 #endif
 }
 
+// W half values (bf16: 1 bfloat16, 0 float16) -> float32, exact (h2f's values)
+inline vf vload_half(const uint16_t* p, int bf16) {
+  if (bf16) {
+    typedef uint16_t vh __attribute__((vector_size(W * 2)));
+    typedef uint32_t vu __attribute__((vector_size(W * 4)));
+    vh hv;
+    __builtin_memcpy(&hv, p, sizeof hv);
+    const vu u = __builtin_convertvector(hv, vu) << 16;
+    vf x;
+    __builtin_memcpy(&x, &u, sizeof x);
+    return x;
+  }
+#if TKV_W == 16
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif TKV_W == 8
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vf x;
+  for (int i = 0; i < W; ++i) x[i] = fp16_to_f32(p[i]);
+  return x;
+#endif
+}
+
+// round_to's values lane by lane (vround, and NaN as round_to makes it: bfloat16 0x7FC00000, float16 keeps the sign)
+inline vf vround_to(vf x, int mode) {
+  if (mode == 2) return x;
+  typedef uint32_t vu __attribute__((vector_size(W * 4)));
+  const vi nan = x != x;
+  vf r = vround(x, mode);
+  vu xu, ru;
+  __builtin_memcpy(&xu, &x, sizeof xu);
+  __builtin_memcpy(&ru, &r, sizeof ru);
+  const vu qn = (mode == 1 ? vu{} : xu & 0x80000000u) | 0x7FC00000u;
+  ru = nan ? qn : ru;
+  __builtin_memcpy(&r, &ru, sizeof r);
+  return r;
+}
+
 // ---- page records ------------------------------------------------------------------------------
 
 inline const uint8_t* record(const uint8_t* pages, const Layout& L, int64_t page, int h) {
@@ -1581,7 +1619,7 @@ void encode_item(const EncodeArgs& a, int64_t item) {
   const uint8_t* trec = a.ring ? a.pages + (a.ring[e] * H + h) * L.rec_bytes : rec;  // the tail's page
   const int t0 = a.ring ? 0 : TAIL0;
   const int slot = (int)((pe % L.block_size) / BLOCK);
-  alignas(64) float X[BLOCK * MAX_D], Y[MAX_D];
+  alignas(64) float X[BLOCK * MAX_D];
   for (int kind = 0; kind < 2; ++kind) {
     for (int r = 0; r < BLOCK; ++r) {
       const int64_t src = e - (BLOCK - 1) + r;
@@ -1589,17 +1627,18 @@ void encode_item(const EncodeArgs& a, int64_t item) {
       const bool ok = src >= 0 && a.pid[src] == pg && a.pos[src] == pr;
       const uint16_t* row = ok ? (kind ? a.vh : a.kh) + (src * H + h) * D : region_row(trec, L, t0 + r, kind);
       float* x = X + r * D;
-      for (int c = 0; c < D; ++c) x[c] = h2f(row[c], L.bf16);
+      for (int c = 0; c < D; c += W) vstore(x + c, vload_half(row + c, L.bf16));
       if (kind == 0) {  // Rope.invert: (x * cos - rotate_half(x) * sin) / scale**2, then the model dtype
-        const float* C = a.cos + pr * HD;  // cos/sin of channel c + D/2 equal those of c
+        const float* C = a.cos + pr * HD;  // cos/sin of channel c + D/2 equal those of c (HD: a multiple of W)
         const float* Sn = a.sin + pr * HD;
-        for (int c = 0; c < D; ++c) {
-          const float rot = c < HD ? -x[c + HD] : x[c - HD];
-          const float m1 = x[c] * C[c % HD];
-          const float m2 = rot * Sn[c % HD];
-          Y[c] = (m1 - m2) / a.s2;
+        const vf s2 = vbc(a.s2);
+        for (int c = 0; c < HD; c += W) {  // rotate_half: -x[c + HD] for channel c, x[c] for channel c + HD
+          const vf x1 = vload(x + c), x2 = vload(x + c + HD), cs = vload(C + c), sn = vload(Sn + c);
+          const vf y1 = (x1 * cs - (-x2) * sn) / s2;
+          const vf y2 = (x2 * cs - x1 * sn) / s2;
+          vstore(x + c, vround_to(y1, L.round));
+          vstore(x + c + HD, vround_to(y2, L.round));
         }
-        for (int c = 0; c < D; ++c) x[c] = round_to(Y[c], L.round);
       }
     }
     encode_rows(kind ? a.v : a.k, L, h, X, rec, slot);
