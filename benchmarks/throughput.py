@@ -78,8 +78,14 @@ def bench_throughput(args, fmt: str, shape: tuple[int, int, int], rundir: Path) 
            "--dataset-name", "random", "--random-input-len", str(i), "--random-output-len", str(o),
            "--num-prompts", str(n), "--max-model-len", str(max_model_len(i, o)), "--output-json", str(out_json),
            "--seed", "0", *args.engine_args]
+    env = _env(args)
+    steplog = rundir / f"steps-{fmt}-{i}-{o}.jsonl"
+    if args.step_breakdown:  # benchmarks/step_timer's sitecustomize times each step inside the bench's engine
+        steplog.unlink(missing_ok=True)
+        env.update(TKV_STEPLOG=str(steplog),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(STEP_TIMER), env.get("PYTHONPATH")])))
     t0 = time.time()
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(args), timeout=args.timeout)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     log = r.stdout + r.stderr
     (rundir / f"throughput-{fmt}-{i}-{o}.log").write_text(shlex.join(cmd) + "\n" + log)
     m = THROUGHPUT_RE.findall(log)
@@ -89,7 +95,35 @@ def bench_throughput(args, fmt: str, shape: tuple[int, int, int], rundir: Path) 
     kv = CAPACITY_RE.findall(log)
     return {"requests_s": req_s, "total_tok_s": tot_s, "output_tok_s": out_s,
             "kv_tokens": int(kv[-1].replace(",", "")) if kv else None, "wall_s": round(time.time() - t0, 1),
-            "command": shlex.join(cmd)}
+            "command": shlex.join(cmd), **({"steps": step_summary(steplog)} if args.step_breakdown else {})}
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+
+
+def step_summary(path: Path) -> dict:
+    """Medians over the engine's steps (benchmarks/step_timer): decode steps at the largest batch seen (one token
+    per request) and prefill steps (any request with more than one token), in milliseconds: the step, and inside it
+    the attention layers' calls ("attention": vLLM's attention and cache update for auto / fp8, our layer's whole
+    call for ours) and our C++ parts; cpu_per_wall: the worker's CPU time over the step's wall time (the threads
+    it kept busy)."""
+    recs = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    recs = [r for r in recs if r.get("tokens")]
+    dec = [r for r in recs if r["tokens"] == r["reqs"]]
+    full = max((r["reqs"] for r in dec), default=0)
+    groups = {"decode": [r for r in dec if r["reqs"] == full], "prefill": [r for r in recs if r["tokens"] > r["reqs"]]}
+    out = {"steps": len(recs), "decode_batch": full}
+    for g, rs in groups.items():
+        parts = sorted({k for r in rs for k in r} - {"pid", "ms", "cpu_ms", "tokens", "reqs"})
+        out[g] = {"n": len(rs), "ms": _median([r["ms"] for r in rs]),
+                  "tokens": _median([r["tokens"] for r in rs]),
+                  "cpu_per_wall": _median([r["cpu_ms"] / r["ms"] for r in rs if r["ms"] > 0]),
+                  **{f"{k}_ms": _median([r.get(k, 0.0) for r in rs]) for k in parts}}
+        if "cache_update_ms" in out[g]:  # vLLM's own backend: its cache update is attention's too
+            out[g]["attention_ms"] = _median([r.get("attention", 0.0) + r.get("cache_update", 0.0) for r in rs])
+    return out
 
 
 def bench_serve(args, fmt: str, shape: tuple[int, int, int], rundir: Path) -> dict:
@@ -110,6 +144,29 @@ def bench_serve(args, fmt: str, shape: tuple[int, int, int], rundir: Path) -> di
         keep = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
                 "median_tpot_ms", "p99_tpot_ms", "completed")
         return {k: res[k] for k in keep if k in res} | {"concurrency": args.concurrency, "command": shlex.join(cmd)}
+
+
+STEP_TIMER = Path(__file__).resolve().parent / "step_timer"
+
+
+def _steps_table(fm: dict) -> list[str]:
+    rows = [(f, r["steps"]) for f, r in fm.items() if r.get("steps")]
+    if not rows:
+        return []
+    lines = ["Inside the engine (`--step-breakdown`: medians per step, ms; attention = the attention layers' calls, "
+             "vLLM's cache update included):", "",
+             "| --kv-cache-dtype | decode steps (batch) | decode step | its attention | rest | prefill steps (tokens) "
+             "| prefill step | its attention | rest | worker CPU ÷ wall (decode) |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ms(x):
+        return "–" if x is None else f"{x:,.1f}"
+    for f, s in rows:
+        d, p = s.get("decode", {}), s.get("prefill", {})
+        rest = [None if g.get("ms") is None or g.get("attention_ms") is None else g["ms"] - g["attention_ms"] for g in (d, p)]
+        lines.append(f"| {f} | {d.get('n', 0)} ({s.get('decode_batch')}) | {ms(d.get('ms'))} | {ms(d.get('attention_ms'))} "
+                     f"| {ms(rest[0])} | {p.get('n', 0)} ({ms(p.get('tokens'))}) | {ms(p.get('ms'))} "
+                     f"| {ms(p.get('attention_ms'))} | {ms(rest[1])} | {ms(d.get('cpu_per_wall'))} |")
+    return lines + [""]
 
 
 def write_markdown(rep: dict, path: Path) -> None:
@@ -137,6 +194,7 @@ def write_markdown(rep: dict, path: Path) -> None:
             kv = f"{r['kv_tokens']:,}" if r.get("kv_tokens") else "–"
             lines.append(f"| {f} | {kv} | {kv_x} | {r['output_tok_s']:,.1f} | {out_x} | {r['total_tok_s']:,.1f} |")
         lines.append("")
+        lines += _steps_table(fm)
     for shape, fm in rep["serve"].items():
         lines += [f"## `vllm bench serve`, {shape}, concurrency {st['concurrency']}", "",
                   "| --kv-cache-dtype | output tok/s | mean TTFT ms | p99 TTFT ms | mean TPOT ms | p99 TPOT ms |",
@@ -224,6 +282,9 @@ def main(argv=None):
     p.add_argument("--load-format", default=None, help="e.g. dummy (random weights: speed only)")
     p.add_argument("--gpu-memory-utilization", default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--step-breakdown", action="store_true",
+                   help="time each engine step and its attention inside the bench (benchmarks/step_timer): medians "
+                   "in the JSON / table, throughput.<name>.<shape name>.<format>.{decode,prefill}_step[_attention]_ms")
     add_dtype_arg(p)
     p.add_argument("--kv-space-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE on the CPU")
     p.add_argument("--timeout", type=float, default=3600)
@@ -301,6 +362,11 @@ def main(argv=None):
             for f, r in fm.items():
                 if "error" not in r and base and f != "auto":
                     figs[f"throughput.{args.name}.{name}.{f}.ratio_vs_auto"] = r["output_tok_s"] / base
+                for g in ("decode", "prefill") if "error" not in r else ():
+                    st = r.get("steps", {}).get(g, {})
+                    for k, key in (("ms", f"{g}_step_ms"), ("attention_ms", f"{g}_step_attention_ms")):
+                        if st.get(k) is not None:
+                            figs[f"throughput.{args.name}.{name}.{f}.{key}"] = st[k]
         merge_headline(figs, HEADLINE)
     print((out / f"{stem(args.name)}.md").read_text())
 

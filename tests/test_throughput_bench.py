@@ -37,7 +37,7 @@ def test_runner_end_to_end(tmp_path, tiny_artifact):
     out = tmp_path / "out"
     run_bench("benchmarks.throughput", "--formats", "auto", "temporalkv-2bit", "--artifact", tiny_artifact, "--shapes",
               "64-8:4", "--serve-prompts", "4", "--concurrency", "2", "--enforce-eager", "--kv-space-gib", "1",
-              "--timeout", "900", "--out", out)
+              "--timeout", "900", "--step-breakdown", "--out", out)
     rep = json.loads((out / "throughput.json").read_text())
     off = rep["offline"]["64-8:4"]
     for fmt in ("auto", "temporalkv-2bit"):
@@ -46,6 +46,16 @@ def test_runner_end_to_end(tmp_path, tiny_artifact):
         srv = rep["serve"]["64-8:4"][fmt]
         assert "error" not in srv, srv
         assert srv["completed"] == 4 and srv["mean_ttft_ms"] > 0 and srv["mean_tpot_ms"] > 0
+        # --step-breakdown: the engine's own steps timed inside the bench's worker process - prefill steps, then
+        # decode steps at the 4-request batch; the attention layers' calls are part of each step
+        st = off[fmt]["steps"]
+        assert st["decode_batch"] == 4 and st["decode"]["n"] >= 1 and st["prefill"]["n"] >= 1, st
+        for g in ("decode", "prefill"):
+            assert 0 < st[g]["attention_ms"] < st[g]["ms"], st
+    # ours: the C++ decode and cache update timed there too (the path the log names)
+    assert 0 < off["temporalkv-2bit"]["steps"]["decode"]["decode_attention_ms"] < off["temporalkv-2bit"]["steps"]["decode"]["attention_ms"]
+    assert off["temporalkv-2bit"]["steps"]["decode"]["write_kv_ms"] > 0
+    assert "decode step | its attention" in (out / "throughput.md").read_text()
     # the KV capacity parsed from vLLM's own log: the 2-bit cache holds several times more tokens
     assert off["temporalkv-2bit"]["kv_tokens"] > 5 * off["auto"]["kv_tokens"]
     assert (out / "throughput.md").is_file() and (out / "throughput.png").is_file()
