@@ -179,7 +179,8 @@ def write_markdown(rep: dict, path: Path) -> None:
              f"vLLM: `{st['vllm']}` {st.get('vllm_version', '')}", ""]
     names = dict(zip(rep["offline"], st.get("shape_names") or []))
     lines += [f"Engine: `{' '.join(st.get('engine_args', []))}`; CPU settings: "
-              f"`{' '.join(f'{k}={v}' for k, v in (st.get('cpu_env') or {}).items())}`", ""]
+              f"`{' '.join(f'{k}={v}' for k, v in (st.get('cpu_env') or {}).items())}`"
+              + (f"; plugin: `{' '.join(f'{k}={v}' for k, v in st['plugin_env'].items())}`" if st.get("plugin_env") else ""), ""]
     for shape, fm in rep["offline"].items():
         base = fm.get("auto", {})
         label = f"{names[shape]}: " if shape in names else ""
@@ -282,6 +283,9 @@ def main(argv=None):
     p.add_argument("--load-format", default=None, help="e.g. dummy (random weights: speed only)")
     p.add_argument("--gpu-memory-utilization", default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="vLLM's batch limit (e.g. 1: batch-1 latency); results go to throughput-<name>-b<N>.* and the "
+                   "headline keys' shape gains the prefix <N>- (throughput.<name>.1-2048-256.<format>.output_tok_s)")
     p.add_argument("--step-breakdown", action="store_true",
                    help="time each engine step and its attention inside the bench (benchmarks/step_timer): medians "
                    "in the JSON / table, throughput.<name>.<shape name>.<format>.{decode,prefill}_step[_attention]_ms")
@@ -306,6 +310,11 @@ def main(argv=None):
         args.engine_args += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.enforce_eager:
         args.engine_args.append("--enforce-eager")
+    batch = ""
+    if args.max_num_seqs:
+        args.engine_args += ["--max-num-seqs", str(args.max_num_seqs)]
+        batch = f"{args.max_num_seqs}-"
+        args.name = f"{args.name}-b{args.max_num_seqs}"  # its own results files beside the unlimited run's
     if args.shape_names and len(args.shape_names) != len(args.shapes):
         p.error("--shape-names needs one name per --shapes entry")
     out = Path(args.out)
@@ -319,7 +328,9 @@ def main(argv=None):
     rep = {"settings": {"name": args.name, "formats": args.formats, "shape_names": args.shape_names, "model": args.model, "vllm": args.vllm,
                         "vllm_version": ver.stdout.strip().splitlines()[-1] if ver.returncode == 0 and ver.stdout.strip() else None,
                         "concurrency": args.concurrency, "engine_args": args.engine_args,
-                        "cpu_env": {k: v for k, v in _env(args).items() if k.startswith("VLLM_CPU_")}},
+                        "cpu_env": {k: v for k, v in _env(args).items() if k.startswith("VLLM_CPU_")},
+                        # the GPU path's switches (VLLM_TEMPORALKV_CUDA_GRAPHS=1: full CUDA graphs of our decode)
+                        "plugin_env": {k: v for k, v in _env(args).items() if k.startswith("VLLM_TEMPORALKV_CUDA")}},
            "offline": {}, "serve": {}, "run": run_record()}
     for shape in args.shapes:
         key = f"{shape[0]}-{shape[1]}:{shape[2]}"
@@ -348,14 +359,14 @@ def main(argv=None):
     write_markdown(rep, out / f"{stem(args.name)}.md")
     plot(rep, out / f"{stem(args.name)}.png")
     if is_results(out):
-        figs = {}
+        figs, head = {}, args.name.removesuffix(f"-b{args.max_num_seqs}") if args.max_num_seqs else args.name
         for key, fm in rep["offline"].items():
-            shape = key.split(":")[0]
+            shape = batch + key.split(":")[0]
             for f, r in fm.items():
                 if "error" not in r:
-                    figs[f"throughput.{args.name}.{shape}.{f}.output_tok_s"] = r["output_tok_s"]
+                    figs[f"throughput.{head}.{shape}.{f}.output_tok_s"] = r["output_tok_s"]
                     if r.get("kv_tokens"):
-                        figs[f"throughput.{args.name}.{shape}.{f}.kv_tokens"] = r["kv_tokens"]
+                        figs[f"throughput.{head}.{shape}.{f}.kv_tokens"] = r["kv_tokens"]
         for name, shape in zip(args.shape_names or [], args.shapes):
             fm = rep["offline"][f"{shape[0]}-{shape[1]}:{shape[2]}"]
             base = fm.get("auto", {}).get("output_tok_s")

@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu/h100.sh oracle PARTDIR   issue 31: carry.sh's last part: assemble, install vLLM 0.26, SmolLM2's real
 #                                                weights served on the GPU vs the oracle (benchmarks/gpu/oracle_match.py)
 #   bash benchmarks/gpu/h100.sh vllm PARTDIR SHA  the last part, install, benchmarks.throughput (dummy 8B shape;
-#                                                TP_FORMATS, TP_SHAPES override the formats and IN-OUT:PROMPTS)
+#                                                TP_FORMATS, TP_SHAPES, TP_ARGS; parts from carry_vllm.sh or carry.sh)
 #   bash benchmarks/gpu/h100.sh prof             issue 32: ncu --set full on one CUDA decode launch, stalls per SASS line
 #   bash benchmarks/gpu/h100.sh cuda             issue 32's CUDA decode kernel: layout probe, nvcc builds, checks
 #                                                against the oracle (poisoned output, emulator, CUDA graph), timings
@@ -84,16 +84,26 @@ print(convert_gguf(Path('/root/carry/smollm2.gguf')))" 2>$OUT/convert.log | tail
   # The report is rewritten after every engine: what ran survives the timeout (merge sessions with --rescore).
   timeout ${ORACLE_S:-420} python3 -m benchmarks.gpu.oracle_match --check benchmarks/gpu/smollm2-reference.json \
     --model "$model" --artifact /root/carry/calibration.safetensors --out $OUT/oracle ${ORACLE_ARGS:-} 2>&1 | tee $OUT/oracle.log ;;
-vllm)
-  if [ ! -d /root/vllm-site/vllm ]; then  # not yet installed by the oracle stage on this (warm) box
-    add_part "$parts" && bash "$parts"/on-device.sh install "${3:?sha256}" 2>&1 | tail -3 || exit 1
+vllm)  # issue 31: vLLM 0.26's own bench on the Llama-3.1-8B shape (dummy weights). TP_SHAPES, TP_FORMATS; TP_ARGS adds
+  # benchmarks.throughput flags (e.g. --max-num-seqs 1: batch 1); VLLM_TEMPORALKV_CUDA_GRAPHS=1 claims full graphs for
+  # our decode; TP_S bounds the whole stage, TP_FMT_S each format. Results: $OUT/tp-TAG.tgz (the box returns 8 files).
+  vsite=${VLLM_SITE:-/root/vllm-site}   # (a CPU dry run points it at a site that has vllm)
+  if [ ! -d $vsite/vllm ]; then  # not yet installed by an earlier stage on this (warm) box
+    add_part "$parts" >/dev/null && bash "$parts"/on-device.sh install "${3:?sha256}" 2>&1 | tail -3 || exit 1
   fi
-  export PYTHONPATH=/root/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
-  mkdir -p $OUT/tp; cp "$parts"/l8b/* /tmp/l8b/ 2>/dev/null || { mkdir -p /tmp/l8b && cp "$parts"/l8b/* /tmp/l8b/; }
-  timeout 420 python3 -m benchmarks.throughput --model /tmp/l8b --name h100-l8b --load-format dummy \
-    --vllm "python3 $parts/vllm_cli.py" --shapes ${TP_SHAPES:-1024-256:200} --no-serve --gpu-memory-utilization 0.85 \
-    --synthetic-artifact --timeout 200 --formats ${TP_FORMATS:-temporalkv-2bit auto} 2>&1 | tee $OUT/tp/throughput.log
-  cp benchmarks/results/throughput.json benchmarks/results/throughput.md benchmarks/results/headline.json $OUT/tp/ 2>/dev/null
-  for f in $(find benchmarks/results/throughput-runs -name "throughput-*.log" -mmin -20); do tail -c 200000 "$f" > $OUT/tp/$(basename $f); done ;;
+  export PYTHONPATH=$vsite:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
+  card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | tr A-Z a-z)
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > $OUT/gpu.txt
+  mkdir -p /tmp/l8b && cp "$parts"/l8b/* /tmp/l8b/ || exit 1
+  tag=${TP_TAG:-$(date +%H%M%S)}
+  timeout ${TP_S:-420} python3 -m benchmarks.throughput --model /tmp/l8b --name ${card:-gpu}-l8b --load-format dummy \
+    --vllm "python3 $parts/vllm_cli.py" --shapes ${TP_SHAPES:-8192-512:96} --no-serve --gpu-memory-utilization 0.85 \
+    --synthetic-artifact --timeout ${TP_FMT_S:-240} --formats ${TP_FORMATS:-temporalkv-2bit auto} ${TP_ARGS:-} \
+    2>&1 | tee /tmp/throughput-$tag.log
+  rc=${PIPESTATUS[0]}
+  for f in $(find benchmarks/results -name "throughput-*.log" -mmin -20); do tail -c 300000 "$f" > "$f.tail" && mv "$f.tail" "$f"; done
+  tar -czf $OUT/tp-$tag.tgz --exclude '*.safetensors' /tmp/throughput-$tag.log benchmarks/results/headline.json \
+    $(ls -d benchmarks/results/throughput-${card:-gpu}-l8b* 2>/dev/null) 2>/dev/null
+  ls -l $OUT; exit $rc ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
