@@ -155,9 +155,12 @@ def ensure_calibrated(model, fmt: str, environ: dict | None = None) -> None:
         cli.run_first_use(plan, decision)
 
 
-def error_line(log: str, rc: int) -> str:
+def error_line(log: str, rc: int | None, timeout: float | None = None) -> str:
     """The root cause: the last error line that is not vLLM's "engine core initialization failed, see
     above" wrapper (e.g. fp8 on a CPU without AVX-512: 'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.')."""
+    if rc is None:  # run_logged stopped it: say so, with the last thing it logged (how far it got)
+        last = [ln.strip() for ln in log.splitlines() if ln.strip()][-1:] or ["(no output)"]
+        return f"timed out after {timeout:g} s; last output: {last[0]}"[-500:]
     lines = [ln for ln in log.splitlines() if re.search(r"\w(Error|Exception): |error:|refus", ln)]
     root = [ln for ln in lines if "See root cause" not in ln and "initialization failed" not in ln]
     return ((root or lines)[-1] if lines else f"exit code {rc}")[-500:]

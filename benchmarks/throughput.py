@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from vllm_temporalkv.harness.artifacts import synthetic_artifact
-from vllm_temporalkv.harness.server import CAPACITY_RE, VLLMServer, set_target_device
+from vllm_temporalkv.harness.server import CAPACITY_RE, VLLMServer, run_logged, set_target_device, stop_on_sigterm
 
 from . import common
 from .common import (HEADLINE, add_dtype_arg, add_out_arg, error_line, is_results, merge_headline, model_dtype,
@@ -85,12 +85,10 @@ def bench_throughput(args, fmt: str, shape: tuple[int, int, int], rundir: Path) 
         env.update(TKV_STEPLOG=str(steplog),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(STEP_TIMER), env.get("PYTHONPATH")])))
     t0 = time.time()
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-    log = r.stdout + r.stderr
-    (rundir / f"throughput-{fmt}-{i}-{o}.log").write_text(shlex.join(cmd) + "\n" + log)
+    rc, log = run_logged(cmd, env, args.timeout, rundir / f"throughput-{fmt}-{i}-{o}.log")
     m = THROUGHPUT_RE.findall(log)
-    if r.returncode != 0 or not m:
-        return {"error": error_line(log, r.returncode)}
+    if rc != 0 or not m:
+        return {"error": error_line(log, rc, args.timeout), "wall_s": round(time.time() - t0, 1)}
     req_s, tot_s, out_s = map(float, m[-1])
     kv = CAPACITY_RE.findall(log)
     return {"requests_s": req_s, "total_tok_s": tot_s, "output_tok_s": out_s,
@@ -298,6 +296,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.rerender:
         return rerender(Path(args.out), args.name)
+    stop_on_sigterm()
 
     from vllm_temporalkv.models import resolve_model
 

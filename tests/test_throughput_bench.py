@@ -82,3 +82,58 @@ def test_synthetic_artifact_fits_a_dummy_weight_model(tmp_path):
     other = dict(cfg, num_hidden_layers=4)
     with pytest.raises(ArtifactError, match="num_layers"):
         Artifact.load(path, expect=model_fingerprint(other), formats=["temporalkv-2bit"])
+
+
+# a tool that starts a child in its own process group (as `vllm bench throughput` starts its engine core), says so,
+# then hangs: what a slow engine looked like on the GPU box
+HANGS = """import subprocess, sys, time
+c = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print("child", c.pid, flush=True)
+print("loading weights", flush=True)
+time.sleep(120)"""
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie waiting for init to reap it (dead either way)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("hang", [True, False])
+def test_run_logged_stops_the_whole_group_and_keeps_the_log(tmp_path, hang):
+    """A run past its timeout: exit code None, the log written so far kept (how far it got), and its child - the
+    engine core that held the GPU's memory when a plain subprocess timeout left it running - stopped too; a tool that
+    exits leaves no child behind either."""
+    import os
+    import sys
+    import time
+
+    from vllm_temporalkv.harness.server import run_logged
+
+    code = HANGS if hang else HANGS.replace('print("loading weights", flush=True)\ntime.sleep(120)', 'print("done")')
+    t0 = time.time()
+    rc, log = run_logged([sys.executable, "-c", code], dict(os.environ), 4, tmp_path / "tool.log")
+    assert (rc is None) == hang and (rc == 0) != hang
+    assert time.time() - t0 < 40
+    assert log.startswith(sys.executable) and ("loading weights" in log) == hang
+    assert (tmp_path / "tool.log").read_text() == log
+    pid = int(re.search(r"child (\d+)", log)[1])
+    deadline = time.time() + 5
+    while not _gone(pid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert _gone(pid), f"the tool's child {pid} outlived it"
+
+
+TIMED_OUT = """import json
+from benchmarks.common import error_line
+print(json.dumps([error_line("INFO start\\nINFO loading weights\\n\\n", None, 180), error_line("", None, 5),
+                  error_line("ValueError: Free memory on device\\n", 1)]))"""
+
+
+def test_error_line_says_a_run_timed_out_and_how_far_it_got():
+    r = bench_call(TIMED_OUT)
+    assert r[0] == "timed out after 180 s; last output: INFO loading weights"
+    assert r[1] == "timed out after 5 s; last output: (no output)"
+    assert r[2] == "ValueError: Free memory on device"

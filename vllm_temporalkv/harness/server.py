@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -149,3 +150,41 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def run_logged(cmd: list[str], env: dict, timeout: float, log_path: Path) -> tuple[int | None, str]:
+    """Run a tool (e.g. `vllm bench throughput`) in its own process group with its output streamed to log_path:
+    (exit code, or None when it ran past `timeout`; the log so far).  Past the timeout the whole group is stopped -
+    vLLM's engine core is a child process that a plain subprocess timeout leaves running, holding its memory (on a
+    GPU box it made every later engine fail with "Free memory on device ... is less than desired") - and the log
+    written so far survives, so a slow run still says how far it got.  The group is stopped however this call ends
+    (an exception, or SIGTERM turned into SystemExit by `stop_on_sigterm`)."""
+    with open(log_path, "w") as f:
+        f.write(shlex.join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        rc = None
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:  # also when the caller is stopped (SIGTERM from `timeout`, Ctrl-C): never leave an engine behind
+            for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+                if proc.poll() is not None:  # the tool is gone; a child it left in its group (an engine core) too
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                    break
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(grace)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    pass
+    return rc, Path(log_path).read_text(errors="replace")
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (e.g. from `timeout`) as SystemExit, so that run_logged's cleanup runs: its tools live in their own
+    process groups, which a signal to this process's group does not reach."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
