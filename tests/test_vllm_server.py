@@ -495,12 +495,14 @@ def test_triton_path_serves_like_the_oracle(server_triton, server_4bit, austen_i
     then decode batches - the greedy answers and their logprobs are those of the same format on the C++ path (the
     4-bit server: the same float32 attention semantics; its pages bit-identical to the torch path's) up to the
     kernels' float32 rounding, and the log says which path served.  (Against the float64 batch-invariant 2-bit
-    server the logprobs moved by ~0.1: 2-bit codes amplify float32-vs-float64 rounding through 30 layers.)"""
+    server the logprobs moved by ~0.1: 2-bit codes amplify float32-vs-float64 rounding through 30 layers.)  Three
+    tokens per request: each decode step costs ~20 s in the interpreter (6 tokens: 191 s for this test here, 123 s
+    with 3)."""
     _, ids = austen_ids
     prompts = [ids[3000:3000 + 150], ids[8000:8000 + 60]]
 
     def ask(server, p):
-        r = client(server).completions.create(model="smollm2", prompt=p, max_tokens=6, temperature=0, logprobs=0)
+        r = client(server).completions.create(model="smollm2", prompt=p, max_tokens=3, temperature=0, logprobs=0)
         return r.choices[0].text, r.choices[0].logprobs.token_logprobs
 
     with cf.ThreadPoolExecutor(2) as ex:
