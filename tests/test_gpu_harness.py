@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,6 +76,42 @@ def test_error_cause_finds_the_engine_cores_root_cause():
     cause = bench_call("import json, sys; from benchmarks.gpu.oracle_match import error_cause; "
                        "print(json.dumps(error_cause(sys.argv[1])))", text)
     assert cause[0].startswith("RuntimeError: Cannot re-initialize CUDA") and len(cause) == 2
+
+
+LAUNCH = """import json, sys
+from pathlib import Path
+from benchmarks.gpu.oracle_match import launch
+from vllm_temporalkv.models import resolve_model
+work = Path(sys.argv[1])
+(work / "ids.json").write_text(json.dumps([[1, 2, 3]]))
+print(json.dumps(launch(str(resolve_model(None)), "auto", "default", None, work / "ids.json", work / "auto.json", False,
+                        float(sys.argv[2]))))"""
+
+
+def test_an_engine_past_its_timeout_is_stopped_and_reported():
+    """An oracle engine that runs past --timeout is a result ("timed out after N s" with its last log line), not
+    the end of the check, and its whole process group goes (on the H200 a bench's engine left behind held the GPU's
+    memory and failed every later engine); its log stays beside its record."""
+    import tempfile
+    import time
+
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.time()
+        rec = bench_call(LAUNCH, d, 3)
+        assert time.time() - t0 < 120
+        assert rec["error"].startswith("timed out after 3 s; last output: "), rec
+        assert rec["cause"] == ["TimeoutError: the engine ran past 3 s"] and rec["format"] == "auto"
+        log = Path(d, "auto.log").read_text()
+        assert "--one auto" in log.splitlines()[0] and not Path(d, "auto.json").exists()
+        mine = [p for p in os.listdir("/proc") if p.isdigit() and d in _cmdline(p)]
+        assert not mine, f"processes of the stopped engine are still running: {mine}"
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _rescore(tmp_path, ref: dict, *reports: dict) -> tuple[int, dict]:

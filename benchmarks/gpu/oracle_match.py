@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_temporalkv.harness.server import run_logged, stop_on_sigterm
+
 from .oracle_report import FORK_BUG, GPU_PATHS, MAX_TOKENS, N_PROMPTS, PROMPT_TOKENS, TOP, compare, report
 
 FORMATS = ["auto", "temporalkv-2bit", "selective-int4"]
@@ -100,17 +102,22 @@ def launch(model_dir: str, fmt: str, path: str, artifact: str | None, ids_file: 
     cmd = [sys.executable, "-m", "benchmarks.gpu.oracle_match", "--one", fmt, "--model", model_dir,
            "--ids", str(ids_file), "--json", str(out)] + (["--artifact", artifact] if artifact else []) + \
         (["--gpu"] if gpu else [])
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    # run_logged: past the timeout the engine's whole process group stops (its engine core would otherwise keep the
+    # GPU's memory and fail every later engine of the stage) and the log so far says how far it got
+    log = out.with_suffix(".log")
+    rc, text = run_logged(cmd, env, timeout, log)
     fork_bug = None
-    if (r.returncode or not out.is_file()) and FORK_BUG in (r.stderr or r.stdout) and \
-            "VLLM_WORKER_MULTIPROC_METHOD" not in env:
+    if (rc or not out.is_file()) and FORK_BUG in text and "VLLM_WORKER_MULTIPROC_METHOD" not in env:
         # something in the engine's parent touched CUDA again: record it (a user's engine would fail the same way)
         # and still measure, with spawn - device minutes are too few to come back for the numbers
-        fork_bug = error_cause(r.stderr or r.stdout)
+        fork_bug = error_cause(text)
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if r.returncode or not out.is_file():
-        text = r.stderr or r.stdout
+        rc, text = run_logged(cmd, env, timeout, log)
+    if rc is None:
+        last = [ln for ln in text.splitlines() if ln.strip()][-1:] or ["(no output)"]
+        return dict(format=fmt, path=path, error=f"timed out after {timeout:g} s; last output: {last[0]}"[-3000:],
+                    cause=[f"TimeoutError: the engine ran past {timeout:g} s"], fork_bug=fork_bug)
+    if rc or not out.is_file():
         return dict(format=fmt, path=path, error=text[-3000:], cause=error_cause(text), fork_bug=fork_bug)
     rec = json.loads(out.read_text())
     rec["path"] = path
@@ -323,6 +330,7 @@ def main(argv=None) -> int:
         rec = run_one(a.model, a.one, a.artifact, json.loads(Path(a.ids).read_text()), a.gpu)
         Path(a.json).write_text(json.dumps(rec))
         return 0
+    stop_on_sigterm()  # the stage's `timeout` then stops a running engine too (run_logged's cleanup)
     if a.reference:
         return reference(a)
     if a.rescore:

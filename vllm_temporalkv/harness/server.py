@@ -162,7 +162,9 @@ def run_logged(cmd: list[str], env: dict, timeout: float, log_path: Path) -> tup
     with open(log_path, "w") as f:
         f.write(shlex.join(cmd) + "\n")
         f.flush()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # a process group of its own, in this session: a device box ends a call's leftover processes by session, so a
+        # new session (setsid) would outlive a caller killed outright
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, process_group=0)
         rc = None
         try:
             rc = proc.wait(timeout)
