@@ -84,7 +84,7 @@ def _code_base(bt_row, tok, ok, h, rec_bytes, codes_off, block_size,
 def _lookup(pages_u8, cb_ptr, bt_row, t0, cend, h, rec_bytes, codes_off, block_size,
             C0: tl.constexpr, DC: tl.constexpr, BT: tl.constexpr, METHOD: tl.constexpr, L: tl.constexpr,
             BITS: tl.constexpr, KC: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-            CM: tl.constexpr = "", EV: tl.constexpr = ""):
+            CM: tl.constexpr, EV: tl.constexpr):
     """Normalized values [BT, DC] of tokens t0..t0+BT, channels C0..C0+DC, from the codes and the
     head's codebooks cb_ptr [G, KC, v].  A vector code is one load of its L centroid floats."""
     CODE_BYTES: tl.constexpr = BLOCK * D * BITS // (8 * L)
@@ -290,6 +290,7 @@ def _gather_kernel(
     KM: tl.constexpr, KL: tl.constexpr, KBITS: tl.constexpr, KKC: tl.constexpr,
     VM: tl.constexpr, VL: tl.constexpr, VBITS: tl.constexpr, VKC: tl.constexpr,
     CAP: tl.constexpr, CAP_P2: tl.constexpr, F32: tl.constexpr, BF: tl.constexpr,
+    CM: tl.constexpr, EV: tl.constexpr,
 ):
     """One tile of BT tokens of one KV head's encoded blocks -> K (post-RoPE) and V rows in the model dtype:
     the decode kernel's lookups, then ``z * std + mean``, exact outliers and RoPE at each token's position, in
@@ -306,13 +307,13 @@ def _gather_kernel(
     kcb = kcb_ptr + h * (D // KL) * KKC * KL
     vcb = vcb_ptr + h * (D // VL) * VKC * VL
     k_lo = _lookup(pages_u8, kcb, bt_row, t0, cend, h, rec_bytes, k_codes, block_size,
-                   0, HD, BT, KM, KL, KBITS, KKC, H, D)
+                   0, HD, BT, KM, KL, KBITS, KKC, H, D, CM, EV)
     k_hi = _lookup(pages_u8, kcb, bt_row, t0, cend, h, rec_bytes, k_codes, block_size,
-                   HD, HD, BT, KM, KL, KBITS, KKC, H, D)
+                   HD, HD, BT, KM, KL, KBITS, KKC, H, D, CM, EV)
     k_lo = k_lo * tl.load(kstd_ptr + h * D + dh) + tl.load(kmean_ptr + h * D + dh)
     k_hi = k_hi * tl.load(kstd_ptr + h * D + HD + dh) + tl.load(kmean_ptr + h * D + HD + dh)
     v = _lookup(pages_u8, vcb, bt_row, t0, cend, h, rec_bytes, v_codes, block_size,
-                0, D, BT, VM, VL, VBITS, VKC, H, D)
+                0, D, BT, VM, VL, VBITS, VKC, H, D, CM, EV)
     v = v * tl.load(vstd_ptr + h * D + dd) + tl.load(vmean_ptr + h * D + dd)
     if CAP > 0:
         k_lo = _outliers(k_lo, pages_h, pages_i16, bt_row, t0, h, rec_bytes, k_idx, k_val, kmean_ptr,
@@ -341,7 +342,7 @@ def decode_blocks(lc, pages: torch.Tensor, block_table: torch.Tensor, full: int,
     H, D = K.shape[1], K.shape[2]
     u8, hv, i16 = page_views(pages, lc.dtype)
     kp, vp = codec_params(lc.k, pages.device), codec_params(lc.v, pages.device)
-    cend = full * BLOCK
+    cend = full * BLOCK.value  # a Python int: a tl.constexpr argument would specialize (recompile) per length
     cos, sin = rope_table(lc.rope, cend, pages.device)
     _gather_kernel[(triton.cdiv(cend, TILE_TOKENS), H)](
         u8, hv, i16, block_table.contiguous(), kp.centroids, vp.centroids, kp.mean, kp.std, vp.mean, vp.std,
@@ -350,7 +351,7 @@ def decode_blocks(lc, pages: torch.Tensor, block_table: torch.Tensor, full: int,
         KM=kp.method, KL=kp.chunk, KBITS=kp.code_bits, KKC=kp.n_centroids,
         VM=vp.method, VL=vp.chunk, VBITS=vp.code_bits, VKC=vp.n_centroids,
         CAP=lay.cap, CAP_P2=triton.next_power_of_2(max(lay.cap, 1)), F32=INTERPRET, BF=K.dtype == torch.bfloat16,
-        enable_fp_fusion=False,
+        CM=CODES_CACHE, EV=CB_EVICT, enable_fp_fusion=False,
     )
 
 
