@@ -177,7 +177,8 @@ def test_triton_kernels_compile_for_hopper_without_a_gpu(tmp_path):
     rep = json.loads(out.read_text())
     assert r.returncode == 0 and not rep["failed"], (r.stdout[-2000:], r.stderr[-4000:])
     kernels = {s["kernel"] for s in rep["specializations"]}
-    assert kernels == {"_encode_kernel", "_store_kernel", "_decode_kernel", "_reduce_kernel", "_gather_kernel"}
+    assert kernels == {"_encode_kernel", "_store_kernel", "_decode_kernel", "_reduce_kernel", "_gather_kernel",
+                       "_prefill_kernel"}
     # each format case specializes the decode on its own code paths (3 cases: 3 decode kernels, at least)
     assert len({json.dumps(s["constexprs"], sort_keys=True) for s in rep["specializations"]
                 if s["kernel"] == "_decode_kernel"}) >= 3

@@ -105,12 +105,16 @@ def test_reference_tail_reuse_regression():
     assert torch.equal(V, EV)
 
 
-def test_triton_path_forward_serves_mixed_batches(monkeypatch):
+@pytest.mark.parametrize("batched", [False, True], ids=["cpu-prefill", "gpu-prefill"])
+def test_triton_path_forward_serves_mixed_batches(monkeypatch, batched):
     """ops.triton_path.forward, what the backend calls on CUDA (here in the interpreter): steps mixing prefill
-    chunks and decodes - decodes through the Triton decode kernel, prefills on the torch attention, every token
-    stored by the Triton encoder - give the torch path's outputs (within the dtype's tolerance) and the same pages
-    bit for bit; ``ops.select`` picks it when asked on the CPU and says why not where it cannot serve."""
+    chunks and decodes - decodes through the Triton decode kernel, prefills on the torch attention (the CPU's
+    route) or all in one Triton flash launch (a GPU's, forced here), every token stored by the Triton encoder -
+    give the torch path's outputs (within the dtype's tolerance) and the same pages bit for bit; ``ops.select``
+    picks it when asked on the CPU and says why not where it cannot serve."""
     from vllm_temporalkv.ops import select, triton_path
+
+    monkeypatch.setattr(triton_path, "_batched_prefill", lambda q: batched)
 
     case = ("temporalkv-2bit", 64, True, torch.bfloat16, 1)
     lens = [40, 23, 9]
@@ -216,3 +220,34 @@ def test_gather_kv_bit_exact(case):
             want = reference.gather_kv(lc, pages, tables[r], m)
             got = triton_decode.gather_kv(lc, pages, tables[r], m)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (r, m)
+
+
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 3, 7)], ids=[IDS[i] for i in (0, 3, 7)])
+def test_prefill_attention_matches_the_oracle(case):
+    """triton_prefill.prefill_attention (every prefill chunk of a step in one flash launch: decoded keys before each
+    query's block, its own block's exact keys) against paged_torch.paged_attention's float64 attention, over
+    chunks whose context is empty, ends mid-block, on a block boundary or inside the sinks, chunks that span
+    several query tiles (> 64 rows) and a one-token chunk among them; rows of other requests stay untouched."""
+    from vllm_temporalkv.ops import triton_prefill
+
+    # (context, chunk) per request
+    plan = [(0, 75), (13, 40), (16, 9), (5, 1), (0, 3), (37, 70)]
+    lc, pages, tables, kv, _ = _decode_setup(case, [c + n for c, n in plan], block_size=16, seed=7)
+    reference.write_kv(lc, pages, *_batch(kv, {r: (0, c) for r, (c, _) in enumerate(plan) if c}, tables,
+                                            lc.block_size))
+    key, val, _, _ = _batch(kv, {r: (c, c + n) for r, (c, n) in enumerate(plan)}, tables, lc.block_size)
+    g = torch.Generator().manual_seed(8)
+    q = _randn(g, key.shape[0], H * GQ, case[1]).to(lc.dtype)
+    qsl = torch.tensor([0] + [n for _, n in plan]).cumsum(0)
+    sl = torch.tensor([c + n for c, n in plan])
+    scale = case[1] ** -0.5
+    want = reference.paged_attention(lc, pages, q, key, val, qsl, sl, tables, scale)
+    skip = 3  # a request left out: its rows keep what out held
+    got = torch.full_like(q, 7.0)
+    triton_prefill.prefill_attention(lc, pages, q, key, val, qsl.tolist(), sl.tolist(), tables, scale, got,
+                                     requests=[r for r in range(len(plan)) if r != skip])
+    a, b = int(qsl[skip]), int(qsl[skip + 1])
+    assert bool((got[a:b] == 7.0).all())
+    got[a:b], want[a:b] = 0, 0
+    err = (got.float() - want.float()).abs().amax((1, 2))
+    assert err.max() <= _tol(lc.dtype) * max(1.0, want.float().abs().max().item()), err.tolist()

@@ -7,7 +7,7 @@ Why: on the CPU the kernels run in Triton's interpreter, which never lowers them
 version cannot compile is found only on the GPU box, after minutes of device time (2026-11-28: Triton 3.6's
 front end refused a constexpr parameter's default ``""`` in ``_lookup``, called without it from
 ``_gather_kernel``; the interpreter and Triton 3.9 accept it).  This tool drives the launch sites of
-tests/kernel_cases.py's format cases (``write_kv``, ``paged_attention`` with and without splits, ``gather_kv``)
+tests/kernel_cases.py's format cases (``write_kv``, ``paged_attention`` with and without splits, ``gather_kv``, ``prefill_attention``)
 with every ``JITFunction`` launch replaced by a compile to cubin for ``--arch`` (Triton's own ptxas, no
 driver), and reports each kernel specialization it compiled or the error that stopped it.  Nothing runs, so
 outputs are not checked here (tests/test_triton_kernels.py does, interpreted or on a GPU).
@@ -79,7 +79,7 @@ def drive(cases) -> None:
     import torch
 
     from tests.kernel_cases import _batch, _decode_setup
-    from vllm_temporalkv.ops import paged_torch as reference, triton_decode, triton_encode
+    from vllm_temporalkv.ops import paged_torch as reference, triton_decode, triton_encode, triton_prefill
 
     lens = [1, 5, 9, 17, 40, 75]
     for case in cases:
@@ -93,6 +93,14 @@ def drive(cases) -> None:
         for splits in (None, 3):
             triton_decode.paged_attention(lc, pages, q, key, val, qsl, sl, tables, case[1] ** -0.5, splits=splits)
         triton_decode.gather_kv(lc, pages, tables[len(lens) - 1], lens[-1])
+        # the prefill launch on chunks of the same requests (their last 1 .. 40 tokens)
+        chunk = [min(n - 1, 40) for n in lens]
+        qp = torch.cat([torch.randn(c, q.shape[1], q.shape[2]) for c in chunk]).to(lc.dtype)
+        kp = torch.cat([kv[r][0][n - c:n] for r, (n, c) in enumerate(zip(lens, chunk))])
+        vp = torch.cat([kv[r][1][n - c:n] for r, (n, c) in enumerate(zip(lens, chunk))])
+        qsl = [0, *torch.tensor(chunk).cumsum(0).tolist()]
+        triton_prefill.prefill_attention(lc, pages, qp, kp, vp, qsl, lens, tables, case[1] ** -0.5,
+                                         torch.empty_like(qp), range(len(lens)), gather=triton_decode.gather_kv)
 
 
 def main(argv=None) -> int:

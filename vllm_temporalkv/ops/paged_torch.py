@@ -523,23 +523,35 @@ def paged_attention(
         if b == a:
             continue
         ctx = n - (b - a)
-        if exact is None:
-            kc, vc = gather(lc, pages, block_tables[r], ctx)  # decoded blocks + exact tail
-        else:  # small pages: gather_kv or the C++ twin, with the request's exact pages
-            kc, vc = gather(lc, pages, block_tables[r], ctx, exact=exact.request(r))
-        K = torch.cat([kc, lc.exact(key[a:b])])
-        V = torch.cat([vc, lc.exact(value[a:b])])
-        # blocks that leave the window during this step (the context's tail block included) also in
-        # decoded form: what the step's later queries see of them
-        W = lc.layout.window
-        lo, hi = exact_from(ctx, W), exact_from(n - 1, W) if W else n // BLOCK_TOKENS * BLOCK_TOKENS
-        Kd, Vd = K, V
-        if hi > lo:
-            Kd, Vd = K.clone(), V.clone()
-            Kd[lo:hi], Vd[lo:hi] = _decoded_blocks(lc, K, V, lo, hi)
+        K, V, Kd, Vd = request_keys(lc, pages, key[a:b], value[a:b], block_tables[r], ctx, gather,
+                                    None if exact is None else exact.request(r))
         attend = _attend if batch_invariant else attend_fast or _attend_fast
-        out[a:b] = attend(query[a:b], K, V, Kd, Vd, scale, ctx, W).to(out.dtype)
+        out[a:b] = attend(query[a:b], K, V, Kd, Vd, scale, ctx, lc.layout.window).to(out.dtype)
     return out
+
+
+def request_keys(lc: LayerCache, pages, key, value, block_table, ctx: int, gather=None, exact=None):
+    """The keys / values one prefill chunk attends to, positions 0 .. ctx + len(key) - 1, in two versions:
+    (K, V) as stored (the context's decoded blocks, its exact sinks and tail, the chunk's own tokens exact) and
+    (Kd, Vd) with every block the chunk completes decoded too (what the chunk's later queries see of them).
+    ``gather``: gather_kv or a twin; ``exact``: small pages' exact pages of this request."""
+    gather = gather or gather_kv
+    if exact is None:
+        kc, vc = gather(lc, pages, block_table, ctx)  # decoded blocks + exact tail
+    else:  # small pages: gather_kv or the C++ twin, with the request's exact pages
+        kc, vc = gather(lc, pages, block_table, ctx, exact=exact)
+    K = torch.cat([kc, lc.exact(key)])
+    V = torch.cat([vc, lc.exact(value)])
+    n = K.shape[0]
+    # blocks that leave the window during this step (the context's tail block included) also in
+    # decoded form: what the step's later queries see of them
+    W = lc.layout.window
+    lo, hi = exact_from(ctx, W), exact_from(n - 1, W) if W else n // BLOCK_TOKENS * BLOCK_TOKENS
+    Kd, Vd = K, V
+    if hi > lo:
+        Kd, Vd = K.clone(), V.clone()
+        Kd[lo:hi], Vd[lo:hi] = _decoded_blocks(lc, K, V, lo, hi)
+    return K, V, Kd, Vd
 
 
 @torch.no_grad()

@@ -3,10 +3,10 @@
 A step of one layer, attention first and then the cache update, as the cache contract requires:
 * the requests with one query token (decodes) attend in one ``triton_decode`` launch for all of them, straight
   from the codes (no per-request Python);
-* the others (prefill chunks) attend on the torch attention (``paged_torch.paged_attention`` for those requests:
-  the context's blocks decoded once by a Triton kernel, ``triton_decode.gather_kv``, bit-identical to the torch
-  decode, then flash attention over them and the exact band; on the CPU, in Triton's interpreter: the C++
-  prefill kernel, as the C++ path has it);
+* the others (prefill chunks): the context's blocks decoded once by a Triton kernel (``triton_decode.gather_kv``,
+  bit-identical to the torch decode), then all chunks' attention over them and their exact bands in one Triton
+  flash launch (``triton_prefill``); on the CPU, in Triton's interpreter, ``paged_torch.paged_attention`` with the
+  C++ prefill kernel, as the C++ path has it;
 * every new token is stored by ``triton_encode.write_kv`` (encode completed blocks, store the rest), bit-identical
   to ``paged_torch.write_kv``.
 
@@ -25,6 +25,7 @@ import torch
 from . import paged_torch
 from .triton_decode import gather_kv, paged_attention as _triton_decode_attention
 from .triton_encode import INTERPRET, write_kv
+from .triton_prefill import prefill_attention
 
 
 def mode() -> str:
@@ -108,6 +109,11 @@ def plan_step(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, device, tab
                     None if prefix else dec.to(table_device or device), (~one).nonzero().flatten().tolist(), prefix)
 
 
+def _batched_prefill(query: torch.Tensor) -> bool:
+    """The prefill chunks' attention in one Triton flash launch (a GPU); on the CPU the C++ prefill kernel's."""
+    return query.device.type == "cuda"
+
+
 @torch.no_grad()
 def _cpu_prefill(query: torch.Tensor):
     """The C++ prefill attention for CPU tensors where the extension is loaded (else None: the torch one)."""
@@ -148,11 +154,16 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
             rows = plan.decode_rows
             out[rows] = decode_attention(lc, pages, query[rows], key[rows], value[rows], plan.query_start_loc,
                                          plan.seq_lens, block_tables[plan.decode_reqs], scale).to(out.dtype)
-        # prefill chunks (paged_attention skips empty ones); on the CPU (Triton's interpreter) with the C++ prefill
-        # kernel the C++ path uses: the same inputs (bit-identical pages) then give the same outputs - 4-bit codes
-        # amplify another summation order's float32 rounding into ~0.1-nat logprob moves through 30 layers
-        paged_torch.paged_attention(lc, pages, query, key, value, query_start_loc.cpu(), seq_lens, block_tables,
-                                    scale, out, batch_invariant=False, requests=plan.prefills, gather=gather_kv,
-                                    attend_fast=_cpu_prefill(query))
+        if _batched_prefill(query):  # on a GPU: every prefill chunk in one flash launch (ops/triton_prefill.py)
+            prefill_attention(lc, pages, query, key, value, query_start_loc.tolist(), seq_lens.tolist(), block_tables,
+                              scale, out, plan.prefills, gather=gather_kv)
+        else:
+            # prefill chunks (paged_attention skips empty ones); on the CPU (Triton's interpreter) with the C++
+            # prefill kernel the C++ path uses: the same inputs (bit-identical pages) then give the same outputs -
+            # 4-bit codes amplify another summation order's float32 rounding into ~0.1-nat logprob moves through
+            # 30 layers
+            paged_torch.paged_attention(lc, pages, query, key, value, query_start_loc.cpu(), seq_lens, block_tables,
+                                        scale, out, batch_invariant=False, requests=plan.prefills, gather=gather_kv,
+                                        attend_fast=_cpu_prefill(query))
     write_kv(lc, pages, key, value, positions, page_ids)
     return out
