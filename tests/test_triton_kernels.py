@@ -225,27 +225,31 @@ def test_gather_kv_bit_exact(case):
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 3, 7)], ids=[IDS[i] for i in (0, 3, 7)])
 def test_prefill_attention_matches_the_oracle(case):
     """triton_prefill.prefill_attention (every prefill chunk of a step in one flash launch: decoded keys before each
-    query's block, its own block's exact keys) against paged_torch.paged_attention's float64 attention, over
-    chunks whose context is empty, ends mid-block, on a block boundary or inside the sinks, chunks that span
-    several query tiles (> 64 rows) and a one-token chunk among them; rows of other requests stay untouched."""
-    from vllm_temporalkv.ops import triton_prefill
+    query's block, its own block's exact keys; the step's tokens stored in between, the completed blocks read back
+    decoded) against paged_torch.forward's float64 attention and its pages, over chunks whose context is empty,
+    ends mid-block, on a block boundary or inside the sinks, chunks that span several query tiles (> 64 rows) and
+    a one-token chunk among them; rows of a request left out stay untouched."""
+    from vllm_temporalkv.ops import triton_encode, triton_prefill
 
     # (context, chunk) per request
-    plan = [(0, 75), (13, 40), (16, 9), (5, 1), (0, 3), (37, 70)]
+    plan = [(0, 75), (13, 40), (16, 9), (5, 1), (0, 3), (37, 70), (3, 20)]
     lc, pages, tables, kv, _ = _decode_setup(case, [c + n for c, n in plan], block_size=16, seed=7)
     reference.write_kv(lc, pages, *_batch(kv, {r: (0, c) for r, (c, _) in enumerate(plan) if c}, tables,
                                             lc.block_size))
-    key, val, _, _ = _batch(kv, {r: (c, c + n) for r, (c, n) in enumerate(plan)}, tables, lc.block_size)
+    ref = pages.clone()
+    key, val, pos, pid = _batch(kv, {r: (c, c + n) for r, (c, n) in enumerate(plan)}, tables, lc.block_size)
     g = torch.Generator().manual_seed(8)
     q = _randn(g, key.shape[0], H * GQ, case[1]).to(lc.dtype)
     qsl = torch.tensor([0] + [n for _, n in plan]).cumsum(0)
     sl = torch.tensor([c + n for c, n in plan])
     scale = case[1] ** -0.5
-    want = reference.paged_attention(lc, pages, q, key, val, qsl, sl, tables, scale)
+    want = reference.forward(lc, ref, q, key, val, qsl, sl, tables, pos, pid, scale)  # float64 attention, then writes
     skip = 3  # a request left out: its rows keep what out held
     got = torch.full_like(q, 7.0)
     triton_prefill.prefill_attention(lc, pages, q, key, val, qsl.tolist(), sl.tolist(), tables, scale, got,
-                                     requests=[r for r in range(len(plan)) if r != skip])
+                                     requests=[r for r in range(len(plan)) if r != skip], gather=triton_decode.gather_kv,
+                                     write=lambda: triton_encode.write_kv(lc, pages, key, val, pos, pid))
+    assert torch.equal(pages, ref)
     a, b = int(qsl[skip]), int(qsl[skip + 1])
     assert bool((got[a:b] == 7.0).all())
     got[a:b], want[a:b] = 0, 0

@@ -100,7 +100,8 @@ def drive(cases) -> None:
         vp = torch.cat([kv[r][1][n - c:n] for r, (n, c) in enumerate(zip(lens, chunk))])
         qsl = [0, *torch.tensor(chunk).cumsum(0).tolist()]
         triton_prefill.prefill_attention(lc, pages, qp, kp, vp, qsl, lens, tables, case[1] ** -0.5,
-                                         torch.empty_like(qp), range(len(lens)), gather=triton_decode.gather_kv)
+                                         torch.empty_like(qp), range(len(lens)), gather=triton_decode.gather_kv,
+                                         write=lambda: None)
 
 
 def main(argv=None) -> int:

@@ -264,14 +264,23 @@ def gather_kv(lc: LayerCache, pages: torch.Tensor, block_table: torch.Tensor, n:
                 x = _served_keys(lc, x, torch.arange(BLOCK_TOKENS, full * BLOCK_TOKENS, device=pages.device))
             out[BLOCK_TOKENS : full * BLOCK_TOKENS] = x.to(lc.dtype)
     if n > tail0:
-        p = torch.arange(tail0, n, device=pages.device)
-        if exact is None:
-            pg, slot = block_table[(p // lc.block_size).long()], lay.ring_slot(p)
-        else:
-            pg, slot = exact[2].expand(p.shape), p % BLOCK_TOKENS
-        K[tail0:] = region[pg, :, slot, 0]
-        V[tail0:] = region[pg, :, slot, 1]
+        K[tail0:], V[tail0:] = exact_rows(lc, pages, block_table, tail0, n, region, exact)
     return K, V
+
+
+def exact_rows(lc: LayerCache, pages, block_table, lo: int, hi: int, region=None, exact=None):
+    """(K, V) [hi - lo, H, D] of positions lo .. hi - 1 of one sequence, tokens not yet encoded (the sinks, the
+    tail in its ring slots), in the stored half dtype.  ``region``: the pages' region view (made here when None);
+    ``exact``: small pages' exact pages of this sequence."""
+    lay = lc.layout
+    if region is None:
+        region = region_view(lay, pages, lc.store_dtype) if exact is None else exact[0]
+    p = torch.arange(lo, hi, device=pages.device)
+    if exact is None:
+        pg, slot = block_table[(p // lc.block_size).long()], lay.ring_slot(p)
+    else:
+        pg, slot = exact[2].expand(p.shape), p % BLOCK_TOKENS
+    return region[pg, :, slot, 0], region[pg, :, slot, 1]
 
 
 def _decoded_blocks(lc: LayerCache, K: torch.Tensor, V: torch.Tensor, lo: int, hi: int):

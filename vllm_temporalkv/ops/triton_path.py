@@ -1,14 +1,16 @@
 """The Triton kernels behind the ops signature (``forward``, as ``paged_torch`` and ``cpu`` have it): the CUDA path.
 
-A step of one layer, attention first and then the cache update, as the cache contract requires:
+A step of one layer, with the attention the cache contract defines (each query sees what the torch path's
+attention-then-update order gives it):
 * the requests with one query token (decodes) attend in one ``triton_decode`` launch for all of them, straight
-  from the codes (no per-request Python);
-* the others (prefill chunks): the context's blocks decoded once by a Triton kernel (``triton_decode.gather_kv``,
-  bit-identical to the torch decode), then all chunks' attention over them and their exact bands in one Triton
-  flash launch (``triton_prefill``); on the CPU, in Triton's interpreter, ``paged_torch.paged_attention`` with the
-  C++ prefill kernel, as the C++ path has it;
+  from the codes (no per-request Python), before the step's tokens are stored;
 * every new token is stored by ``triton_encode.write_kv`` (encode completed blocks, store the rest), bit-identical
-  to ``paged_torch.write_kv``.
+  to ``paged_torch.write_kv``;
+* the others (prefill chunks), on a GPU: each context's exact tail read before that write, the keys after it
+  (``triton_decode.gather_kv``: blocks decoded by a Triton kernel, bit-identical to the torch decode, so the
+  blocks a chunk completes come back as the torch codec would round them), then all chunks' attention in one
+  Triton flash launch (``triton_prefill``); on the CPU, in Triton's interpreter, before the write, through
+  ``paged_torch.paged_attention`` with the C++ prefill kernel, as the C++ path has it.
 
 On a machine without a GPU the same module runs in Triton's interpreter (``TRITON_INTERPRET=1`` and
 ``VLLM_TEMPORALKV_OPS=triton`` in the server's environment): that is how CI tests the wiring inside a real vLLM
@@ -154,16 +156,17 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
             rows = plan.decode_rows
             out[rows] = decode_attention(lc, pages, query[rows], key[rows], value[rows], plan.query_start_loc,
                                          plan.seq_lens, block_tables[plan.decode_reqs], scale).to(out.dtype)
-        if _batched_prefill(query):  # on a GPU: every prefill chunk in one flash launch (ops/triton_prefill.py)
+        if _batched_prefill(query):  # on a GPU: every prefill chunk in one flash launch (ops/triton_prefill.py),
+            # which stores the step's tokens itself (its chunks then read their completed blocks back decoded)
             prefill_attention(lc, pages, query, key, value, query_start_loc.tolist(), seq_lens.tolist(), block_tables,
-                              scale, out, plan.prefills, gather=gather_kv)
-        else:
-            # prefill chunks (paged_attention skips empty ones); on the CPU (Triton's interpreter) with the C++
-            # prefill kernel the C++ path uses: the same inputs (bit-identical pages) then give the same outputs -
-            # 4-bit codes amplify another summation order's float32 rounding into ~0.1-nat logprob moves through
-            # 30 layers
-            paged_torch.paged_attention(lc, pages, query, key, value, query_start_loc.cpu(), seq_lens, block_tables,
-                                        scale, out, batch_invariant=False, requests=plan.prefills, gather=gather_kv,
-                                        attend_fast=_cpu_prefill(query))
+                              scale, out, plan.prefills, gather=gather_kv,
+                              write=lambda: write_kv(lc, pages, key, value, positions, page_ids))
+            return out
+        # prefill chunks (paged_attention skips empty ones); on the CPU (Triton's interpreter) with the C++ prefill
+        # kernel the C++ path uses: the same inputs (bit-identical pages) then give the same outputs - 4-bit codes
+        # amplify another summation order's float32 rounding into ~0.1-nat logprob moves through 30 layers
+        paged_torch.paged_attention(lc, pages, query, key, value, query_start_loc.cpu(), seq_lens, block_tables,
+                                    scale, out, batch_invariant=False, requests=plan.prefills, gather=gather_kv,
+                                    attend_fast=_cpu_prefill(query))
     write_kv(lc, pages, key, value, positions, page_ids)
     return out
