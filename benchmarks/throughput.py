@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -97,8 +98,7 @@ def bench_throughput(args, fmt: str, shape: tuple[int, int, int], rundir: Path) 
 
 
 def _median(xs: list[float]) -> float | None:
-    xs = sorted(xs)
-    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+    return statistics.median(xs) if xs else None
 
 
 def step_summary(path: Path) -> dict:
@@ -176,8 +176,9 @@ def write_markdown(rep: dict, path: Path) -> None:
              + f", {rep['run']['time']}  ",
              f"vLLM: `{st['vllm']}` {st.get('vllm_version', '')}", ""]
     names = dict(zip(rep["offline"], st.get("shape_names") or []))
-    lines += [f"Engine: `{' '.join(st.get('engine_args', []))}`; CPU settings: "
-              f"`{' '.join(f'{k}={v}' for k, v in (st.get('cpu_env') or {}).items())}`"
+    on_gpu = bool(rep['run']['machine'].get('gpu'))  # the CPU backend's settings mean nothing to a GPU's engine
+    lines += [f"Engine: `{' '.join(st.get('engine_args', []))}`"
+              + ("" if on_gpu else f"; CPU settings: `{' '.join(f'{k}={v}' for k, v in (st.get('cpu_env') or {}).items())}`")
               + (f"; plugin: `{' '.join(f'{k}={v}' for k, v in st['plugin_env'].items())}`" if st.get("plugin_env") else ""), ""]
     for shape, fm in rep["offline"].items():
         base = fm.get("auto", {})

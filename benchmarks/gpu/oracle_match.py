@@ -34,6 +34,8 @@ from pathlib import Path
 
 from vllm_temporalkv.harness.server import run_logged, stop_on_sigterm
 
+from ..common import error_line
+
 from .oracle_report import FORK_BUG, GPU_PATHS, MAX_TOKENS, N_PROMPTS, PROMPT_TOKENS, TOP, compare, report
 
 FORMATS = ["auto", "temporalkv-2bit", "selective-int4"]
@@ -114,8 +116,7 @@ def launch(model_dir: str, fmt: str, path: str, artifact: str | None, ids_file: 
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         rc, text = run_logged(cmd, env, timeout, log)
     if rc is None:
-        last = [ln for ln in text.splitlines() if ln.strip()][-1:] or ["(no output)"]
-        return dict(format=fmt, path=path, error=f"timed out after {timeout:g} s; last output: {last[0]}"[-3000:],
+        return dict(format=fmt, path=path, error=error_line(text, None, timeout),
                     cause=[f"TimeoutError: the engine ran past {timeout:g} s"], fork_bug=fork_bug)
     if rc or not out.is_file():
         return dict(format=fmt, path=path, error=text[-3000:], cause=error_cause(text), fork_bug=fork_bug)
