@@ -222,7 +222,10 @@ def test_gather_kv_bit_exact(case):
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (r, m)
 
 
-@pytest.mark.parametrize("case", [CASES[i] for i in (0, 3, 7)], ids=[IDS[i] for i in (0, 3, 7)])
+PREFILL_CASES = [CASES[i] for i in (0, 3, 7)] + [("temporalkv-2bit", 256, False, torch.bfloat16, 1)]  # + 32-query tiles
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=[IDS[i] for i in (0, 3, 7)] + ["temporalkv-2bit-d256"])
 def test_prefill_attention_matches_the_oracle(case):
     """triton_prefill.prefill_attention (every prefill chunk of a step in one flash launch: decoded keys before each
     query's block, its own block's exact keys; the step's tokens stored in between, the completed blocks read back

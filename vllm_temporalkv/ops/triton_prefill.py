@@ -27,7 +27,7 @@ from ..methods import BLOCK_TOKENS, SINK_TOKENS
 from .triton_decode import _dot
 from .triton_encode import INTERPRET
 
-BM = 64  # queries per program
+BM = 64  # queries per program (32 at head_dim 256: the [BM, D] float32 accumulator stays in registers)
 BN = 64  # keys per step of the inner loop
 WARPS = 4
 
@@ -142,14 +142,15 @@ def prefill_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.T
         kd0 += n
         ke0 += n - e0
     kd, vd, ke, ve = (torch.cat(x) for x in (kds, vds, kes, ves))
-    tiles = [(i, m) for i, (_, n, _, _, _) in enumerate(meta) for m in range(0, n, BM)]
+    Hq, D = query.shape[1], query.shape[2]
+    bm = BM if D <= 128 else BM // 2
+    tiles = [(i, m) for i, (_, n, _, _, _) in enumerate(meta) for m in range(0, n, bm)]
     dev = query.device
     # one host-to-device copy for the whole step's tables
     host = torch.tensor([t[0] for t in tiles] + [t[1] for t in tiles] + [x for m in meta for x in m], dtype=torch.int32)
     tab = host.to(dev, non_blocking=True)
     nt, nr = len(tiles), len(meta)
     per = tab[2 * nt:].view(nr, 5)
-    Hq, D = query.shape[1], query.shape[2]
     G = Hq // ke.shape[1]
     assert kd.stride() == ke.stride(), (kd.stride(), ke.stride())
     # a view of out when it is contiguous per row; else a buffer copied back (rows of out untouched otherwise)
@@ -157,7 +158,7 @@ def prefill_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.T
     _prefill_kernel[(nt, Hq)](
         query, kd, vd, ke, ve, o, tab[:nt], tab[nt:2 * nt], *(per[:, i].contiguous() for i in range(5)),
         scale * 1.4426950408889634, query.stride(0), query.stride(1), ke.stride(0), ke.stride(1),
-        o.stride(0), o.stride(1), GQ=G, D=D, BM=BM, BN=BN, BLK=BLOCK_TOKENS, F32=INTERPRET,
+        o.stride(0), o.stride(1), GQ=G, D=D, BM=bm, BN=BN, BLK=BLOCK_TOKENS, F32=INTERPRET,
         num_warps=WARPS,
     )
     if o is not out:
