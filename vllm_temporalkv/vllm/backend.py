@@ -22,6 +22,7 @@ benchmarks/gpu/NOTES.md), a Triton prefill kernel (issue "The CUDA path for real
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import ClassVar
 
 import torch
@@ -321,6 +322,7 @@ class TemporalKVImpl(AttentionImpl):
     def _layer_cache(self, layer, device) -> LayerCache:
         """Built on the first forward, when the layer's name (hence its index) is known."""
         if self._lc is None:
+            t0 = time.perf_counter()
             index = compat.layer_index(layer)
             # a tensor-parallel rank holds some of the KV heads: their codebooks, not the first ones
             heads = (None if self._artifact is None else
@@ -335,7 +337,10 @@ class TemporalKVImpl(AttentionImpl):
                 path += ", batch-invariant float64 attention"
             if path not in _LOGGED_PATHS:  # once per process and path: says which kernels serve
                 _LOGGED_PATHS.add(path)
-                logger.info("vllm-temporalkv %s: attention and cache update on the %s path", self.kv_cache_dtype, path)
+                # with the first layer's set-up time (codebooks to the device, kernels built or loaded): where an
+                # engine's start goes is otherwise invisible in vLLM's log
+                logger.info("vllm-temporalkv %s: attention and cache update on the %s path (first layer set up in "
+                            "%.1f s)", self.kv_cache_dtype, path, time.perf_counter() - t0)
         return self._lc
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
