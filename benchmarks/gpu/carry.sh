@@ -10,7 +10,7 @@ set -euo pipefail
 art=${1:?usage: carry.sh ARTIFACT [OUT]}; out=${2:-.gpu-carry}
 [ -f .gpu-vllm/site.tar.xz ] && [ -f .gpu-vllm/SHA256 ] || { echo "no .gpu-vllm bundle: run ../shared/tools/gpu-vllm/prepare.sh .gpu-vllm" >&2; exit 1; }
 gguf=$(.venv/bin/python -c "from vllm_temporalkv.models import smollm2_gguf; print(smollm2_gguf())")
-whl=$(ls /tmp/gguf-whl/gguf-*.whl 2>/dev/null | head -1)
+whl=$(ls /tmp/gguf-whl/gguf-*.whl 2>/dev/null | head -1 || true)  # none yet: downloaded below (pipefail)
 [ -n "$whl" ] || { .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d /tmp/gguf-whl gguf && whl=$(ls /tmp/gguf-whl/gguf-*.whl | head -1); }
 rm -rf "$out" && mkdir -p "$out/stage"
 ln -s "$PWD/.gpu-vllm/site.tar.xz" "$out/stage/site.tar.xz"
