@@ -146,17 +146,19 @@ def prefill_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.T
     bm = BM if D <= 128 else BM // 2
     tiles = [(i, m) for i, (_, n, _, _, _) in enumerate(meta) for m in range(0, n, bm)]
     dev = query.device
-    # one host-to-device copy for the whole step's tables
-    host = torch.tensor([t[0] for t in tiles] + [t[1] for t in tiles] + [x for m in meta for x in m], dtype=torch.int32)
+    # one host-to-device copy for the whole step's tables: the tiles' (request, first query), then each of the
+    # requests' five fields as a contiguous row (what the kernel indexes by request)
+    host = torch.tensor([t[0] for t in tiles] + [t[1] for t in tiles] + [m[i] for i in range(5) for m in meta],
+                        dtype=torch.int32)
     tab = host.to(dev, non_blocking=True)
     nt, nr = len(tiles), len(meta)
-    per = tab[2 * nt:].view(nr, 5)
+    per = tab[2 * nt:].view(5, nr)
     G = Hq // ke.shape[1]
     assert kd.stride() == ke.stride(), (kd.stride(), ke.stride())
     # a view of out when it is contiguous per row; else a buffer copied back (rows of out untouched otherwise)
     o = out if out.stride(-1) == 1 else torch.empty_like(out)
     _prefill_kernel[(nt, Hq)](
-        query, kd, vd, ke, ve, o, tab[:nt], tab[nt:2 * nt], *(per[:, i].contiguous() for i in range(5)),
+        query, kd, vd, ke, ve, o, tab[:nt], tab[nt:2 * nt], *per,
         scale * 1.4426950408889634, query.stride(0), query.stride(1), ke.stride(0), ke.stride(1),
         o.stride(0), o.stride(1), GQ=G, D=D, BM=bm, BN=BN, BLK=BLOCK_TOKENS, F32=INTERPRET,
         num_warps=WARPS,
