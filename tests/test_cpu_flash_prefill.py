@@ -16,11 +16,14 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C++ extension (
 FLASH_TOL = 1.5e-2
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["split", "masked"])
 @pytest.mark.parametrize("H,G,D", [(3, 3, 64), (2, 4, 128), (1, 1, 96)])
-def test_flash_prefill_matches_the_definition(H, G, D):
+def test_flash_prefill_matches_the_definition(H, G, D, masked, monkeypatch):
     """Chunks at offsets inside the sinks, inside and on block boundaries, and deep in a context (where part (a),
     the decoded keys every query sees, exists), of lengths 1 .. 300: within bf16 rounding of the float64
-    definition.  Decoded and exact keys are independent here, so taking one for the other fails by O(1)."""
+    definition.  Decoded and exact keys are independent here, so taking one for the other fails by O(1).  Parts
+    (a) and (b) as two calls (split) and as one masked call (what short chunks take): a mask one key off fails."""
+    monkeypatch.setattr(cpu_flash, "MASKED_MAX", 1 << 40 if masked else 0)
     g = torch.Generator().manual_seed(5)
     n = 640
     q = torch.randn(n, H * G, D, generator=g).bfloat16()

@@ -465,13 +465,18 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
         a, b = qsl[r], qsl[r + 1]
         _prefill(lc, pages, query[a:b], key[a:b], value[a:b], positions[a:b], page_ids[a:b], block_tables[r],
                  lens[r], scale, out[a:b], None if exact is None else exact.request(r))
+    if rows is not None and not rows.numel():  # prefill chunks only: each wrote its own tokens
+        return out
     tok = None if exact is None else exact.tokens(query_start_loc, key.shape[0])  # (region, sink [N], ring [N])
     if rows is None:  # every request a decode
         write_kv(lc, pages, key, value, positions, page_ids, exact=tok)
-    elif rows.numel():
+    else:
         write_kv(lc, pages, key[rows], value[rows], positions[rows], page_ids[rows],
                  exact=None if tok is None else (tok[0], tok[1][rows], tok[2][rows]))
     return out
+
+
+_NO_ROWS = torch.empty(0, dtype=torch.long)  # a step without decode rows (CPU only: this module's kernels are)
 
 
 def _attend_decodes(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out, exact=None):
@@ -485,12 +490,13 @@ def _attend_decodes(lc, pages, query, key, value, query_start_loc, seq_lens, blo
     qsl = query_start_loc.tolist()
     dec = [r for r in range(R) if qsl[r + 1] - qsl[r] == 1]
     rest = [r for r in range(R) if qsl[r + 1] - qsl[r] > 1]
+    if not dec:  # prefill chunks only (a prefix-cache hit's or a prompt's chunk): no tensor to build
+        return rest, _NO_ROWS
     rows = torch.tensor([qsl[r] for r in dec], dtype=torch.long, device=query.device)
-    if dec:
-        ridx = torch.tensor(dec, dtype=torch.long, device=query.device)
-        small = None if exact is None else dataclasses.replace(exact, table=exact.table[ridx])
-        out[rows] = decode_attention(lc, pages, query[rows], key[rows], value[rows], seq_lens[ridx],
-                                     block_tables[ridx], scale, small=small).to(out.dtype)
+    ridx = torch.tensor(dec, dtype=torch.long, device=query.device)
+    small = None if exact is None else dataclasses.replace(exact, table=exact.table[ridx])
+    out[rows] = decode_attention(lc, pages, query[rows], key[rows], value[rows], seq_lens[ridx],
+                                 block_tables[ridx], scale, small=small).to(out.dtype)
     return rest, rows
 
 

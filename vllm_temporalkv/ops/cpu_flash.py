@@ -13,6 +13,7 @@ The definition (``ops.cpu.prefill_attention``): a query at position p attends to
       of a KV head folded into the query axis (GQA without copying K/V);
   (b) decoded keys [offset - 8, n - 8): query p sees those <= p - 8 - a causal flash call (top-left aligned: the
       chunk's i-th query sees the i-th key on), K/V repeated per query head (chunk-sized);
+      For a short chunk (a) and (b) are one flash call over decoded [0, s + Tq) with an additive mask (MASKED_MAX);
   (c) the 8 positions p - 7 .. p: decoded before p's own block, exact from it - in C++ (``window_merge``,
       csrc/prefill_impl.h), which also merges (a) and (b) into the output: per query its 8 scores and the parts'
       log-sum-exps in one float32 softmax (in plain torch, (c) and the merge took 3x the flash calls' time).
@@ -24,6 +25,8 @@ kernel (and that guarantee); ``ops.cpu.use_flash_prefill`` decides."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..layout import BLOCK_TOKENS
@@ -32,6 +35,25 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 # part (c) and the merge: the C++ extension's window_merge, registered by ops.cpu when it loads the extension (this
 # module is imported by ops.cpu, so it does not import it back)
 _window_merge = None
+
+
+# A chunk whose folded queries x keys of parts (a) and (b) number at most this many takes them in one flash call with
+# an additive mask (query t of the chunk sees decoded keys <= s + t): short chunks - a prefix-cache hit's new tokens,
+# chunked prefill's last pieces - spend more on the second call and its per-head K/V copies than on the work itself
+# (measured on a 2-core AMX Xeon, SmolLM2's 3 KV heads x 3: a 40-token chunk over 256 cached tokens 0.59x the split's
+# time, 16 over 300 0.67x, 64 over 600 0.90x, 128 over 1000 1.02x, 40 over 8000 1.09x).  Longer chunks keep the
+# split: the mask grows with Tq x n and is read for every score, and the masked call computes the whole (b)
+# rectangle where the causal call skips half of it.
+MASKED_MAX = 1 << 19
+
+
+@functools.lru_cache(maxsize=8)  # every layer of a step asks for the same chunk shapes
+def _mask(t: int, first: int, n: int, g: int, dtype: torch.dtype) -> torch.Tensor:
+    """[g * t, n] additive mask: row i * t + u (query head i of the group, the chunk's u-th query) sees key j iff
+    j <= first + u."""
+    u = torch.arange(t)[:, None]
+    m = torch.zeros(t, n, dtype=dtype).masked_fill(torch.arange(n)[None] > first + u, float("-inf"))
+    return m.repeat(g, 1)
 
 
 def register_window_merge(fn) -> None:
@@ -56,11 +78,18 @@ def flash_prefill(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, kx: torch
     kd, vd, kx, vx = kd.to(dt), vd.to(dt), kx.to(dt), vx.to(dt)
     parts: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (o [H, g, Tq - t0, D], lse [H, g, Tq - t0], t0)
     s = offset - BLOCK_TOKENS
-    if s > 0:  # (a): [1, H, g * Tq, D] queries (head h's g query heads one after the other) over [0, s)
+    qlo = max(0, -s)
+    if Tq > qlo and g * (Tq - qlo) * (s + Tq) <= MASKED_MAX:  # (a) and (b) in one masked call (short chunks)
+        t = Tq - qlo
+        qm = q[qlo:].view(t, H, g, D).permute(1, 2, 0, 3).reshape(1, H, g * t, D)
+        o, lse = _flash(qm, kd[: s + Tq].transpose(0, 1)[None], vd[: s + Tq].transpose(0, 1)[None],
+                        attn_mask=_mask(t, s + qlo, s + Tq, g, dt), scale=scale)
+        parts.append((o[0].view(H, g, t, D), lse[0].view(H, g, t), qlo))
+        qlo = Tq  # nothing left for (b)
+    elif s > 0:  # (a): [1, H, g * Tq, D] queries (head h's g query heads one after the other) over [0, s)
         qa = q.view(Tq, H, g, D).permute(1, 2, 0, 3).reshape(1, H, g * Tq, D)
         o, lse = _flash(qa, kd[:s].transpose(0, 1)[None], vd[:s].transpose(0, 1)[None], scale=scale)
         parts.append((o[0].view(H, g, Tq, D), lse[0].view(H, g, Tq), 0))
-    qlo = max(0, -s)
     if Tq > qlo:  # (b): queries qlo.. over decoded [max(s, 0), s + Tq), causal from the first
         a, b = max(s, 0), s + Tq
         kb = kd[a:b].transpose(0, 1).repeat_interleave(g, 0)[None]
