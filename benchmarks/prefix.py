@@ -14,8 +14,8 @@ mean of the others, which can) and the total time; the KV capacity and page size
 configuration is a --kv-cache-dtype, optionally ``@blockN`` (``--block-size N``) or ``@small`` (the
 ``temporalkv_small_pages`` serving option).  ``ttft_ratio_vs_auto``: the mean TTFT of the requests that could hit,
 over auto's (auto runs every time; configurations of an earlier run with the same settings are kept unless
-measured again, their command recorded).  Writes prefix.json / prefix.md / prefix.png under --out and, for the formats at their default
-pages, merges ``prefix.<name>.p<P>.<format>.hit_rate`` and ``.ttft_ratio_vs_auto`` into headline.json.
+measured again, their command recorded).  Writes prefix.json / prefix.md / prefix.png (prefix-<name>.* for another
+--name) under --out and, for the formats at their default pages, merges ``prefix.<name>.p<P>.<format>.hit_rate`` and ``.ttft_ratio_vs_auto`` into headline.json.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from vllm_temporalkv.harness.server import ServerFailed, VLLMServer, scrape_metr
 from . import common
 
 MODEL = "smollm2"
+DEFAULT_NAME = "smollm2-cpu"  # the results files of another --name are prefix-<name>.*
 HEADER = "The following is an excerpt from a novel by Jane Austen.\n\n"
 FULL = {"configs": ["auto", "temporalkv-2bit", "temporalkv-2bit@block256", "temporalkv-2bit@block64",
                     "temporalkv-2bit@small"],
@@ -206,7 +207,8 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.prefix", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    p.add_argument("--name", default="smollm2-cpu", help="model-and-device tag in the headline keys")
+    p.add_argument("--name", default=DEFAULT_NAME, help="model-and-device tag in the headline keys and the results "
+                   "files (prefix-<name>.*; the default's: prefix.*)")
     p.add_argument("--configs", nargs="+", default=None, help="FORMAT, FORMAT@blockN or FORMAT@small (auto is added)")
     p.add_argument("--prefix-lens", nargs="+", type=int, default=None)
     p.add_argument("--requests", type=int, default=None, help="requests per prefix (the first cannot hit)")
@@ -234,9 +236,10 @@ def main(argv=None):
     settings = {k: getattr(a, k) for k in ("name", "prefix_lens", "requests", "question_tokens", "max_tokens",
                                            "max_model_len", "kv_space_gib", "dtype", "enforce_eager")}
     out = Path(a.out)
+    stem = "prefix" if a.name == DEFAULT_NAME else f"prefix-{a.name}"  # each machine / model its own files
     rep = {"settings": settings, "configs": {}}
-    if (out / "prefix.json").is_file() and not a.smoke:  # an earlier run's configurations, unless measured again
-        prev = json.loads((out / "prefix.json").read_text())
+    if (out / f"{stem}.json").is_file() and not a.smoke:  # an earlier run's configurations, unless measured again
+        prev = json.loads((out / f"{stem}.json").read_text())
         if prev.get("settings") == settings:
             rep["configs"] = {n: {"command": prev["run"]["command"], **r} for n, r in prev["configs"].items()
                               if "error" not in r and n not in a.configs}
@@ -244,9 +247,9 @@ def main(argv=None):
         rep["configs"][name] = {**run_config(a, name, workload, warm), "command": common.run_record()["command"]}
     rep["run"] = common.run_record()
     add_ratios(rep)
-    common.write_json(out / "prefix.json", rep)
-    write_markdown(rep, out / "prefix.md")
-    plot(rep, out / "prefix.png")
+    common.write_json(out / f"{stem}.json", rep)
+    write_markdown(rep, out / f"{stem}.md")
+    plot(rep, out / f"{stem}.png")
     figures = {}
     for name, r in rep["configs"].items():
         for P, x in r.get("prefixes", {}).items():
@@ -255,10 +258,10 @@ def main(argv=None):
                 if "ttft_ratio_vs_auto" in x:
                     figures[f"prefix.{a.name}.p{P}.{name}.ttft_ratio_vs_auto"] = x["ttft_ratio_vs_auto"]
     rep["headline"] = None if a.smoke or a.no_headline or not common.is_results(out) else figures
-    common.write_json(out / "prefix.json", rep)
+    common.write_json(out / f"{stem}.json", rep)
     if rep["headline"]:
         common.merge_headline(figures)
-    print((out / "prefix.md").read_text())
+    print((out / f"{stem}.md").read_text())
 
 
 if __name__ == "__main__":

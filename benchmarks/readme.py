@@ -225,7 +225,8 @@ def render(h: dict) -> str:
     lines += generic_table(h, "kernels", "Kernels", skip="kernels.cpu.")
     lines += generic_table(h, "throughput", "Throughput")
     lines += generic_table(h, "prefix", "Prefix caching (N requests sharing a P-token prefix through the server: "
-                                        "benchmarks/results/prefix.md)")
+                                        "benchmarks/results/prefix.md; "
+                                        "prefix-<name>.md for another machine, e.g. smollm2-cpu-amx)")
     lines += generic_table(h, "stress", "Reliability (load and faults: benchmarks/results/stress.md; artifact "
                                             "fuzzing: benchmarks/results/artifact-fuzz.md)")
     return "\n".join(lines).strip() + "\n"
