@@ -195,6 +195,7 @@ def test_resume_tops_up_sample_by_sample(tmp_path, smollm2_dir, tiny_artifact):
         old = {key(x): x for x in first[f]["records"]}
         assert all(x == old[key(x)] for x in rep[f]["records"] if x["index"] == 0)
         assert rep[f]["suite_prompts"] == 12  # the time of both runs, over the prompts of both
+        assert rep[f]["machine"] == first[f]["machine"] != "mixed"  # both runs on this machine
     assert rep["temporalkv-2bit"]["paired_prompts"] == 12
     # stopped after 5 of 8 new prompts: the 5 are kept and not asked again
     assert crashed["raised"] == "KeyboardInterrupt"
@@ -265,3 +266,23 @@ def test_needle_probe_finds_the_needle(tok, suites, smollm2_dir, tiny_artifact, 
     assert any(comp[str(i)]["served"] != comp[str(i)]["exact"] for i in range(15))
     assert all(comp[str(i)]["served"] == comp[str(i)]["exact"] for i in range(15, 30))
     assert "## Where the first answer token's query finds the needle" in (tmp_path / "needle-nll.md").read_text()
+
+
+def test_wall_time_ratios_only_within_one_machine(tmp_path):
+    """A resumed results file can hold formats timed on different machines: the wall-time table gives ÷ auto only
+    for formats timed on auto's machine, and says where each ran."""
+    rec = [{"task": "niah_single", "length": 2048, "index": 0, "score": 1.0, "answers": [], "output": "x",
+            "prompt_tokens": 1}]
+    times = {"auto": ("A (amx)", 10.0), "same": ("A (amx)", 15.0), "elsewhere": ("B (avx2)", 5.0), "old": (None, 20.0)}
+    formats = bench_call(RECORDS, json.dumps({f: rec for f in times}))
+    for f, (m, secs) in times.items():
+        formats[f].update({"suite_s": secs, "suite_prompts": 1, "startup_s": 1.0}, **({"machine": m} if m else {}))
+    settings = {"name": "t", "tasks": ["niah_single"], "lengths": [2048], "samples": 1, "seed": 0}
+    (tmp_path / "retrieval.json").write_text(json.dumps({"settings": settings, "formats": formats,
+                                                          "run": {"command": "x", "machine": {"cpu": "c"}, "time": "t"}}))
+    run_bench("benchmarks.retrieval", "--rerender", "--out", tmp_path)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in (tmp_path / "retrieval.md").read_text().splitlines()
+            if line.count("|") == 8}
+    assert rows["same"].endswith("| 1.50 |") and "A (amx)" in rows["same"]
+    assert rows["elsewhere"].endswith("| – |") and "B (avx2)" in rows["elsewhere"]
+    assert rows["old"].endswith("| – |") and "earlier run" in rows["old"]

@@ -31,11 +31,17 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..common import add_dtype_arg, add_out_arg, model_dtype, run_record, write_json
+from ..common import add_dtype_arg, add_out_arg, machine, model_dtype, run_record, write_json
 from .report import report, results_stem
 from .runner import CHECKPOINT_S, artifact_digest, reusable, run_suite, serve_and_score
 from .stats import samples_per_cell, summarize
 from .suite import LENGTHS, TASKS, SuiteBuilder, record_key
+
+
+def machine_tag() -> str:
+    """The CPU model and class: which wall times of a results file may be compared."""
+    m = machine()
+    return f"{m['cpu']} ({m['cpu_class']})"
 
 
 def default_formats() -> list[str]:
@@ -111,6 +117,7 @@ def main(argv=None):
         results[args.served_model_name or args.url] = {"records": recs, **summarize(recs)}
     else:
         fmts = args.formats or default_formats()
+        here = machine_tag()
         for fmt in tqdm(fmts, desc="servers", unit="server"):
             digest = artifact_digest(model, fmt, args.artifact)
             old = results.get(fmt, {})
@@ -130,7 +137,7 @@ def main(argv=None):
             def checkpoint(rec, done=done, last=last, fmt=fmt, digest=digest):
                 done.append(rec)
                 if time.time() - last[0] > CHECKPOINT_S:  # a long run can be stopped and resumed at any point
-                    partial[fmt] = {"records": list(done), "artifact_sha256": digest}
+                    partial[fmt] = {"records": list(done), "artifact_sha256": digest, "machine": here}
                     save()
                     last[0] = time.time()
 
@@ -144,9 +151,12 @@ def main(argv=None):
                 if old.get("suite_s") is not None and old.get("records"):  # time summed over the top-ups
                     r["suite_s"] = round(old["suite_s"] + r["suite_s"], 1)
                     r["suite_prompts"] = old.get("suite_prompts", len(old["records"])) + r["suite_prompts"]
+                # wall times compare only within one machine (the report's ÷ auto): records scored elsewhere
+                # (an earlier run's, kept) make them "mixed"
+                prior = {x.get("machine") for x in (old, half) if x.get("records")}
                 results[fmt] = {"records": recs, **summarize(recs), "samples": samples_per_cell(recs),
-                                **r, "artifact_sha256": digest,
-                                "command": run_record()["command"]}
+                                **r, "artifact_sha256": digest, "command": run_record()["command"],
+                                "machine": here if prior <= {here} else "mixed"}
             except Exception as e:  # a refusing format is a result, not the end of the run
                 if not old:
                     results[fmt] = {"error": f"{type(e).__name__}: {e}"[-600:]}

@@ -18,7 +18,7 @@ def write_markdown(rep: dict, path: Path) -> None:
     lines = [f"# Long-context retrieval through the server ({st['name']})", "",
              *[f"Command: `{c}`  " for c in dict.fromkeys(r.get("command", rep["run"]["command"])
                                                           for r in rep["formats"].values())],
-             f"Machine: {rep['run']['machine']['cpu']}, {rep['run']['time']}  ",
+             f"Machine (the latest run): {rep['run']['machine']['cpu']}, {rep['run']['time']}  ",
              f"Seed {st['seed']}, greedy, --dtype {st.get('dtype', 'bfloat16')}; haystacks from Jane Austen's "
              "novels; accuracy = share of reference strings in the answer (RULER's string match). Prompts: samples "
              "per task and length (a format run with more samples answers the fewer-sample suite's prompts too).", "",
@@ -50,15 +50,19 @@ def write_markdown(rep: dict, path: Path) -> None:
         if "error" not in r:
             lines.append(f"| {f} | " + " | ".join(f"{r['cells'].get(f'{t}@{n}', float('nan')):.2f}"
                                                   for t in st["tasks"] for n in lengths) + " |")
-    lines += ["", "## Wall time", "", "| --kv-cache-dtype | server start-up s | prompts timed | suite s | s per prompt "
-              "| ÷ auto |", "|---|---|---|---|---|---|"]
+    lines += ["", "## Wall time", "", "÷ auto only where auto's suite ran on the same machine (a resumed file may hold "
+              "formats timed on others; \"earlier run\": a format scored before the machine was recorded).", "",
+              "| --kv-cache-dtype | machine | server start-up s | prompts timed | suite s | s per prompt | ÷ auto |",
+              "|---|---|---|---|---|---|---|"]
     per = lambda r: r["suite_s"] / r.get("suite_prompts", len(r["records"]))  # noqa: E731
-    base_s = per(res["auto"]) if res.get("auto", {}).get("suite_s") else None
+    auto = res.get("auto", {})
+    base_s = per(auto) if auto.get("suite_s") and auto.get("machine") != "mixed" else None
     for f, r in res.items():
         if "error" not in r and r.get("suite_s") is not None:
-            ratio = f"{per(r) / base_s:.2f}" if base_s else "–"
-            lines.append(f"| {f} | {r.get('startup_s', '–')} | {r.get('suite_prompts', len(r['records']))} | "
-                         f"{r['suite_s']} | {per(r):.1f} | {ratio} |")
+            same = base_s and r.get("machine") == auto.get("machine")
+            ratio = f"{per(r) / base_s:.2f}" if same else "–"
+            lines.append(f"| {f} | {r.get('machine', 'earlier run')} | {r.get('startup_s', '–')} | "
+                         f"{r.get('suite_prompts', len(r['records']))} | {r['suite_s']} | {per(r):.1f} | {ratio} |")
     path.write_text("\n".join(lines) + "\n")
 
 
