@@ -77,12 +77,36 @@ def test_gather_bit_exact(case):
     H, D = 2, case[1]
     lc = _cache(case, H=H)
     pages, tables, _ = _write_prefix(lc, LENS, H, D, seed=1)
-    for r, n in enumerate(LENS):
-        # the n - 1 tokens written (a shorter prefix's ring slots may never have been written: a prefill encodes the
-        # blocks that leave the window straight from its input)
-        K, V = cpu.gather_kv(lc, pages, tables[r], n - 1)
-        EK, EV = paged_torch.gather_kv(lc, pages, tables[r], n - 1)
-        assert torch.equal(K, EK) and torch.equal(V, EV), r
+    before = cpu.isa()
+    try:
+        for isa in cpu.supported_isas():  # each ISA's unpacking of the packed codes (W = 16, 8, 4 lanes)
+            cpu.set_isa(isa)
+            for r, n in enumerate(LENS):
+                # the n - 1 tokens written (a shorter prefix's ring slots may never have been written: a prefill
+                # encodes the blocks that leave the window straight from its input)
+                K, V = cpu.gather_kv(lc, pages, tables[r], n - 1)
+                EK, EV = paged_torch.gather_kv(lc, pages, tables[r], n - 1)
+                assert torch.equal(K, EK) and torch.equal(V, EV), (isa, r)
+    finally:
+        cpu.set_isa(before)
+
+
+def test_tada_head_mean_shares_with_a_remainder():
+    """3 KV heads of 64 channels: each head's record keeps a share of 22, 22 and 20 channels of the per-token head
+    mean, so the vectorized read of a share ends in element-wise rest on every ISA: bit for bit the torch path."""
+    H, D = 3, 64
+    lc = make_cache("tada-4bit", D, False, torch.bfloat16, 1, H=H, GQ=3, block_size=32, window=16)
+    pages, tables, _ = _write_prefix(lc, LENS[-4:], H, D, seed=4)
+    before = cpu.isa()
+    try:
+        for isa in cpu.supported_isas():
+            cpu.set_isa(isa)
+            for r, n in enumerate(LENS[-4:]):
+                got = cpu.gather_kv(lc, pages, tables[r], n - 1)
+                want = paged_torch.gather_kv(lc, pages, tables[r], n - 1)
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), (isa, r)
+    finally:
+        cpu.set_isa(before)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
