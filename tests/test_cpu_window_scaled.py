@@ -40,11 +40,12 @@ def _cache(case, H=2, GQ=3):
     return make_cache(fmt, D, False, dtype, 1, H=H, GQ=GQ, block_size=bs, window=window)
 
 
-def _write_prefix(lc, lens, H, D, seed):
-    """Each request's first n - 1 tokens written by the torch path in one prefill call (random page tables)."""
+def _write_prefix(lc, lens, H, D, seed, room=0):
+    """Each request's first n - 1 tokens written by the torch path in one prefill call (random page tables with
+    pages for ``room`` more tokens)."""
     g = torch.Generator().manual_seed(seed)
     R, bs = len(lens), lc.block_size
-    per = -(-max(lens) // bs)
+    per = -(-(max(lens) + room) // bs)
     tables = torch.randperm(R * per, generator=g).reshape(R, per)
     pages = torch.randint(0, 256, (R * per, H, lc.layout.bytes), dtype=torch.uint8, generator=g)
     kv = [(torch.randn(n, H, D, generator=g) * 2, torch.randn(n, H, D, generator=g)) for n in lens]
@@ -89,6 +90,30 @@ def test_gather_bit_exact(case):
                 assert torch.equal(K, EK) and torch.equal(V, EV), (isa, r)
     finally:
         cpu.set_isa(before)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[3]] + [("qjl", 64, torch.bfloat16, 16, 32)],
+                         ids=[i for c, i in zip(CASES, IDS) if c[3]] + ["qjl-d64-bfloat16-w16-b32"])
+def test_decode_steps_write_the_window_as_request_by_request(case):
+    """A decode step's window update, all requests at once (paged_torch._write_decodes_window), against the
+    request-by-request loop: the same page bytes over 12 steps from every prefix length (blocks leave the window at
+    different steps, in the sinks' page and in later pages)."""
+    fmt, D = case[0], case[1]
+    H = 2
+    lc = _cache(case, H=H)
+    pages, tables, _ = _write_prefix(lc, LENS, H, D, seed=5, room=12)
+    loop = pages.clone()
+    g = torch.Generator().manual_seed(6)
+    R = len(LENS)
+    lens = torch.tensor(LENS) - 1
+    region = lambda p: paged_torch.region_view(lc.layout, p, lc.store_dtype)  # noqa: E731
+    for _ in range(12):
+        lens = lens + 1
+        k, v = (torch.randn(R, H, D, generator=g).to(lc.dtype) for _ in range(2))
+        paged_torch.write_kv_window(lc, pages, k, v, torch.arange(R + 1), lens, tables)
+        kh, vh = k.to(lc.store_dtype), v.to(lc.store_dtype)
+        paged_torch._write_window_requests(lc, loop, region(loop), kh, vh, list(range(R + 1)), lens.tolist(), tables)
+        assert torch.equal(pages, loop)
 
 
 def test_tada_head_mean_shares_with_a_remainder():

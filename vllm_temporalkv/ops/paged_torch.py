@@ -182,15 +182,24 @@ def _encode_completed(lc: LayerCache, pages, region, kh, vh, pos, pid, e, tpg=No
 @torch.no_grad()
 def write_kv_window(lc: LayerCache, pages: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor) -> None:
-    """The cache update with a recent window (layout.window > 0), request by request: the blocks that leave
-    the window as the sequence grows from ctx to n tokens are encoded (rows from this step's input or from
-    the ring of their page, read before anything is written), then the tokens still inside it go to the
-    ring.  The older blocks may sit in earlier pages, hence the block tables."""
-    lay = lc.layout
-    region = region_view(lay, pages, lc.store_dtype)
+    """The cache update with a recent window (layout.window > 0), request by request (a decode step's requests
+    all at once: ``_write_decodes_window``): the blocks that leave the window as the sequence grows from ctx to n
+    tokens are encoded (rows from this step's input or from the ring of their page, read before anything is
+    written), then the tokens still inside it go to the ring.  The older blocks may sit in earlier pages, hence
+    the block tables."""
+    region = region_view(lc.layout, pages, lc.store_dtype)
     kh, vh = key.to(lc.store_dtype), value.to(lc.store_dtype)  # as the region holds them
-    H, D = key.shape[1], key.shape[2]
-    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    qsl = query_start_loc.tolist()
+    if len(qsl) > 1 and qsl == list(range(len(qsl))):  # a decode step: every request one token
+        _write_decodes_window(lc, pages, region, kh, vh, seq_lens, block_tables)
+    else:
+        _write_window_requests(lc, pages, region, kh, vh, qsl, seq_lens.tolist(), block_tables)
+
+
+def _write_window_requests(lc: LayerCache, pages, region, kh, vh, qsl: list, lens: list, block_tables) -> None:
+    """write_kv_window request by request (any number of new tokens each)."""
+    lay = lc.layout
+    H, D = kh.shape[1], kh.shape[2]
     B = lc.block_size
     for r, n in enumerate(lens):
         a, b = qsl[r], qsl[r + 1]
@@ -199,10 +208,10 @@ def write_kv_window(lc: LayerCache, pages: torch.Tensor, key: torch.Tensor, valu
         ctx, bt = n - (b - a), block_tables[r].long()
         lo, hi = exact_from(ctx, lay.window), exact_from(n, lay.window)
         if hi > lo:
-            p = torch.arange(lo, hi, device=key.device)
+            p = torch.arange(lo, hi, device=kh.device)
             new = p >= ctx
             old = p[~new]
-            kb = torch.empty(hi - lo, H, D, dtype=lc.store_dtype, device=key.device)
+            kb = torch.empty(hi - lo, H, D, dtype=lc.store_dtype, device=kh.device)
             vb = torch.empty_like(kb)
             kb[new], vb[new] = kh[a + p[new] - ctx], vh[a + p[new] - ctx]
             kb[~new] = region[bt[old // B], :, lay.ring_slot(old), 0]
@@ -210,13 +219,41 @@ def write_kv_window(lc: LayerCache, pages: torch.Tensor, key: torch.Tensor, valu
             k_pre = _stored_keys(lc, kb.to(lc.dtype), p)
             first = p[::BLOCK_TOKENS]
             _encode_blocks(lc, pages, bt[first // B], (first % B) // BLOCK_TOKENS, k_pre, vb.to(lc.dtype))
-        p = torch.arange(ctx, n, device=key.device)
+        p = torch.arange(ctx, n, device=kh.device)
         p = p[(p < SINK_TOKENS) | (p >= hi)]  # still exact after this step
         i = a + p - ctx
         sink = p < SINK_TOKENS
         slot = torch.where(sink, p, lay.ring_slot(p))
         pg = torch.where(sink, bt[0], bt[p // B])
         region[pg, :, slot, 0], region[pg, :, slot, 1] = kh[i], vh[i]
+
+
+def _write_decodes_window(lc: LayerCache, pages, region, kh, vh, seq_lens, block_tables) -> None:
+    """write_kv_window for a step of one new token per request, all requests at once (request by request, the
+    ~15 small torch ops of each cost a decode step more than the C++ attention of the selective formats).  The
+    same writes: a request's token at position ctx = n - 1 moves at most one block out of the window, [lo, lo + 8),
+    whose rows all wait in the ring (lo + 8 <= n - window <= ctx); every block is read before anything is written,
+    as each request's are in the loop (a request writes only the ring of its own last page, which no other request
+    holds: vLLM shares full pages only)."""
+    lay, B = lc.layout, lc.block_size
+    n = seq_lens.to(device=kh.device, dtype=torch.long)
+    ctx = n - 1
+    bt = block_tables.long()
+    exact0 = lambda m: ((m - lay.window).div(BLOCK_TOKENS, rounding_mode="floor") * BLOCK_TOKENS).clamp(  # noqa: E731
+        min=SINK_TOKENS)  # layout.exact_from, element-wise
+    lo = exact0(ctx)
+    leave = (exact0(n) > lo).nonzero()[:, 0]
+    if leave.numel():
+        p = lo[leave, None] + torch.arange(BLOCK_TOKENS, device=kh.device)  # [m, 8]
+        pg = bt[leave].gather(1, p // B)
+        slot = lay.ring_slot(p)
+        kb, vb = region[pg, :, slot, 0].flatten(0, 1), region[pg, :, slot, 1].flatten(0, 1)  # [m * 8, H, D]
+        k_pre = _stored_keys(lc, kb.to(lc.dtype), p.flatten())
+        _encode_blocks(lc, pages, pg[:, 0], (p[:, 0] % B) // BLOCK_TOKENS, k_pre, vb.to(lc.dtype))
+    sink = ctx < SINK_TOKENS  # the new tokens: still exact after this step (their block is the newest)
+    slot = torch.where(sink, ctx, lay.ring_slot(ctx))
+    pg = torch.where(sink, bt[:, 0], bt.gather(1, (ctx // B)[:, None])[:, 0])
+    region[pg, :, slot, 0], region[pg, :, slot, 1] = kh, vh
 
 
 @torch.no_grad()
