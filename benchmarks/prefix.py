@@ -15,7 +15,8 @@ configuration is a --kv-cache-dtype, optionally ``@blockN`` (``--block-size N``)
 ``temporalkv_small_pages`` serving option).  ``ttft_ratio_vs_auto``: the mean TTFT of the requests that could hit,
 over auto's (auto runs every time; configurations of an earlier run with the same settings are kept unless
 measured again, their command recorded).  Writes prefix.json / prefix.md / prefix.png (prefix-<name>.* for another
---name) under --out and, for the formats at their default pages, merges ``prefix.<name>.p<P>.<format>.hit_rate`` and ``.ttft_ratio_vs_auto`` into headline.json.
+--name) under --out and, for the formats at their default pages, merges ``prefix.<name>.p<P>.<format>.hit_rate``
+and ``.ttft_ratio_vs_auto`` into headline.json.
 """
 
 from __future__ import annotations

@@ -476,7 +476,7 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
     return out
 
 
-_NO_ROWS = torch.empty(0, dtype=torch.long)  # a step without decode rows (CPU only: this module's kernels are)
+_NO_ROWS = torch.empty(0, dtype=torch.long)  # a step without decode rows (a CPU tensor: these kernels serve CPU pages)
 
 
 def _attend_decodes(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out, exact=None):
