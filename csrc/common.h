@@ -153,9 +153,9 @@ struct PrefillArgs {
   const uint16_t* kxT16 = nullptr;
 };
 
-// Each query's last 8 positions (p - 7 .. p: decoded before p's own block, exact from it) merged with attention
-// parts computed elsewhere - torch's flash kernel over the decoded keys before them (ops/cpu_flash.py) - by
-// log-sum-exp.  Elements (q, keys, values, parts' outputs, out): float32, or bf16 bits with bf16 = 1.  Strides in
+// Each query's 8 positions p - window - 7 .. p - window (decoded before exact_start(p, window), exact from it)
+// merged with attention parts computed elsewhere - torch's flash kernel over the decoded keys before them and, with
+// a recent window, over the exact keys after them (ops/cpu_flash.py) - by log-sum-exp.  Elements (q, keys, values, parts' outputs, out): float32, or bf16 bits with bf16 = 1.  Strides in
 // elements; every row's D values contiguous.
 struct WindowPart {
   const void* o;                 // [H, g, Tq - t0, D]: the part's output for query t0 + t, head h * g + i
@@ -170,6 +170,7 @@ struct WinRows {                 // [n, heads, D]: row (n, h) at p + n * st + h 
 };
 struct WindowArgs {
   int Tq, H, g, D, bf16, np;
+  int window;                    // recent window (0: none); the 8 positions end window before the query
   int64_t offset, x0;            // position of query 0; of kx's row 0
   float scale;
   WinRows q;                     // [Tq, Hq, D]

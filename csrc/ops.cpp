@@ -540,12 +540,14 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kdT, const at::Ten
 }
 
 // The flash prefill's window part and merge (WindowArgs; ops/cpu_flash.py): out [Tq, Hq, D] = softmax over each
-// query's last 8 positions (kd / vd decoded from position 0, kx / vx exact from x0) and the parts (o [H, g, Tq - t0,
+// query's 8 positions p - window - 7 .. p - window (kd / vd decoded from position 0, kx / vx exact from x0; window: a
+// recent window, 0 for none) and the parts (o [H, g, Tq - t0,
 // D], lse [H, g, Tq - t0] float32, first query t0), merged by log-sum-exp.  q, keys, values, parts' outputs and out:
 // one dtype, float32 or bfloat16, each row's D values contiguous (other strides free).
 void window_merge(const at::Tensor& q, const at::Tensor& kd, const at::Tensor& vd, const at::Tensor& kx,
                   const at::Tensor& vx, int64_t x0, int64_t offset, double scale, const std::vector<at::Tensor>& po,
-                  const std::vector<at::Tensor>& plse, const std::vector<int64_t>& pt0, at::Tensor& out) {
+                  const std::vector<at::Tensor>& plse, const std::vector<int64_t>& pt0, at::Tensor& out,
+                  int64_t window) {
   const auto dt = q.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "window_merge: float32 or bfloat16, got ", dt);
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out: [Tq, Hq, D]");
@@ -576,7 +578,8 @@ void window_merge(const at::Tensor& q, const at::Tensor& kd, const at::Tensor& v
                           l.data_ptr<float>(), l.stride(0), l.stride(1), l.stride(2), pt0[k]};
   }
   if (Tq == 0) return;
-  const int64_t own_last = exact_start(offset + Tq - 1, 0), own_first = exact_start(offset, 0);
+  TORCH_CHECK(window >= 0 && window % BLOCK == 0 && window < (1 << 30), "window: a multiple of ", BLOCK, " >= 0");
+  const int64_t own_last = exact_start(offset + Tq - 1, (int)window), own_first = exact_start(offset, (int)window);
   TORCH_CHECK(offset >= 0 && kd.size(0) >= own_last && x0 <= own_first && x0 + kx.size(0) >= offset + Tq,
               "the key arrays do not cover the chunk (decoded up to its last query's own block, exact from its first's)");
   WindowArgs a;
@@ -586,6 +589,7 @@ void window_merge(const at::Tensor& q, const at::Tensor& kd, const at::Tensor& v
   a.D = (int)D;
   a.bf16 = dt == at::kBFloat16;
   a.np = (int)parts.size();
+  a.window = (int)window;
   a.offset = offset;
   a.x0 = x0;
   a.scale = (float)scale;

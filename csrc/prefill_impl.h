@@ -270,22 +270,25 @@ inline float win_dot(const float* a, const float* b, int D) {
 
 // Queries chunk * WIN_ROWS .. of KV head h: the positions their windows cover are read once (decoded rows where a
 // later block's query reads them, exact ones where their own block's does) and shared by the chunk's queries and
-// the g query heads; per head the scores, then one softmax over them and the parts' log-sum-exps.
+// the g query heads; per head the scores, then one softmax over them and the parts' log-sum-exps.  With a recent
+// window w a query at p takes here the 8 positions p - w - 7 .. p - w (none where p < w: its band part, exact keys
+// p - w + 1 .. p, is one of the parts).
 void window_item(const WindowArgs& a, int64_t item) {
   const int64_t chunks = (a.Tq + WIN_ROWS - 1) / WIN_ROWS;
   const int h = (int)(item / chunks);
   const int64_t t_lo = (item % chunks) * WIN_ROWS, t_hi = (a.Tq < t_lo + WIN_ROWS ? (int64_t)a.Tq : t_lo + WIN_ROWS);
-  const int D = a.D, g = a.g;
+  const int D = a.D, g = a.g, w = a.window;
   const int64_t p_lo = a.offset + t_lo, p_hi = a.offset + t_hi - 1;
-  const int64_t P0 = p_lo >= BLOCK - 1 ? p_lo - (BLOCK - 1) : 0, NP = p_hi - P0 + 1;
-  const int64_t d_hi = exact_start(p_hi, 0), x_lo = exact_start(p_lo, 0) > P0 ? exact_start(p_lo, 0) : P0;
-  float* buf = static_cast<float*>(__builtin_malloc(sizeof(float) * 4 * NP * D));
+  const int64_t e_lo = p_lo - w, e_hi = p_hi - w;  // the last of the 8 positions of the first / last query
+  const int64_t P0 = e_lo >= BLOCK - 1 ? e_lo - (BLOCK - 1) : 0, NP = e_hi >= P0 ? e_hi - P0 + 1 : 0;
+  const int64_t d_hi = exact_start(p_hi, w), x_lo = exact_start(p_lo, w) > P0 ? exact_start(p_lo, w) : P0;
+  float* buf = static_cast<float*>(__builtin_malloc(sizeof(float) * (4 * NP * D + 1)));
   float *Kd = buf, *Vd = buf + NP * D, *Kx = buf + 2 * NP * D, *Vx = buf + 3 * NP * D;
-  for (int64_t pos = P0; pos < d_hi; ++pos) {  // decoded: read by the queries of later blocks
+  for (int64_t pos = P0; pos < d_hi && pos <= e_hi; ++pos) {  // decoded: read by the queries of later blocks
     win_row(a.kd, pos, h, a.bf16, D, Kd + (pos - P0) * D);
     win_row(a.vd, pos, h, a.bf16, D, Vd + (pos - P0) * D);
   }
-  for (int64_t pos = x_lo; pos <= p_hi; ++pos) {  // exact: read by the queries of their own block
+  for (int64_t pos = x_lo; pos <= e_hi; ++pos) {  // exact: read by the queries of their own block
     win_row(a.kx, pos - a.x0, h, a.bf16, D, Kx + (pos - P0) * D);
     win_row(a.vx, pos - a.x0, h, a.bf16, D, Vx + (pos - P0) * D);
   }
@@ -293,9 +296,9 @@ void window_item(const WindowArgs& a, int64_t item) {
   const float* K[BLOCK];
   const float* V[BLOCK];
   for (int64_t t = t_lo; t < t_hi; ++t) {
-    const int64_t p = a.offset + t, own = exact_start(p, 0);
+    const int64_t p = a.offset + t, own = exact_start(p, w), e = p - w;
     int nk = 0;
-    for (int64_t pos = (p >= BLOCK - 1 ? p - (BLOCK - 1) : 0); pos <= p; ++pos, ++nk) {
+    for (int64_t pos = (e >= BLOCK - 1 ? e - (BLOCK - 1) : 0); pos <= e; ++pos, ++nk) {
       const int64_t r = (pos - P0) * D;
       K[nk] = pos < own ? Kd + r : Kx + r;
       V[nk] = pos < own ? Vd + r : Vx + r;

@@ -16,38 +16,44 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C++ extension (
 FLASH_TOL = 1.5e-2
 
 
+@pytest.mark.parametrize("window", [0, 8, 32], ids=["own-block", "window8", "window32"])
 @pytest.mark.parametrize("masked", [False, True], ids=["split", "masked"])
 @pytest.mark.parametrize("H,G,D", [(3, 3, 64), (2, 4, 128), (1, 1, 96)])
-def test_flash_prefill_matches_the_definition(H, G, D, masked, monkeypatch):
+def test_flash_prefill_matches_the_definition(H, G, D, masked, window, monkeypatch):
     """Chunks at offsets inside the sinks, inside and on block boundaries, and deep in a context (where part (a),
-    the decoded keys every query sees, exists), of lengths 1 .. 300: within bf16 rounding of the float64
+    the decoded keys every query sees, exists), of lengths 1 .. 640: within bf16 rounding of the float64
     definition.  Decoded and exact keys are independent here, so taking one for the other fails by O(1).  Parts
-    (a) and (b) as two calls (split) and as one masked call (what short chunks take): a mask one key off fails."""
+    (a) and (b) as two calls (split) and as one masked call (what short chunks take): a mask one key off fails.
+    With a recent window the band part (d) in blocks of 16 queries (several blocks per chunk; a band one key too
+    long or short fails, as does (c) not moved back by the window)."""
     monkeypatch.setattr(cpu_flash, "MASKED_MAX", 1 << 40 if masked else 0)
+    monkeypatch.setattr(cpu_flash, "BAND_ROWS", 16)
     g = torch.Generator().manual_seed(5)
     n = 640
     q = torch.randn(n, H * G, D, generator=g).bfloat16()
     ke, ve, kd, vd = (torch.randn(n, H, D, generator=g).bfloat16() for _ in range(4))
     kd[200:240] *= 4  # a few large decoded scores
-    for a, b in [(0, 1), (0, 5), (3, 20), (7, 9), (8, 16), (13, 100), (64, 65), (100, 400), (333, 640), (630, 640)]:
-        x = cpu._own_block(a)
-        got = cpu_flash.flash_prefill(q[a:b], kd[:b], vd[:b], ke[x:b], ve[x:b], x, a, D ** -0.5)
-        want = _prefill_dense(q[a:b], ke, ve, kd, vd, D ** -0.5, a)
+    cuts = [(0, 1), (0, 5), (3, 20), (7, 9), (8, 16), (13, 100), (64, 65), (100, 400), (333, 640), (630, 640)]
+    for a, b in cuts + ([(0, 640), (30, 45)] if window else []):
+        x = cpu._own_block(a, window)
+        got = cpu_flash.flash_prefill(q[a:b], kd[:b], vd[:b], ke[x:b], ve[x:b], x, a, D ** -0.5, window=window)
+        want = _prefill_dense(q[a:b], ke, ve, kd, vd, D ** -0.5, a, window=window)
         assert got.dtype == torch.bfloat16 and got.shape == (b - a, H * G, D)
         err = (got.double() - want).abs().max().item()
         assert err <= FLASH_TOL * want.abs().max().item(), (a, b, err)
         # and the C++ kernel's float32 answer to the same chunk, as closely
         ref = cpu.prefill_attention(q[a:b], kd[:b], vd[:b], ke[x:b], ve[x:b], x, a, D ** -0.5,
-                                    out=torch.empty(b - a, H * G, D))
+                                    out=torch.empty(b - a, H * G, D), window=window)
         assert (got.float() - ref).abs().max().item() <= FLASH_TOL * ref.abs().max().item(), (a, b)
 
 
+@pytest.mark.parametrize("window", [0, 16])
 @pytest.mark.parametrize("isa", cpu.supported_isas())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_window_merge_on_every_isa(isa, dtype):
+def test_window_merge_on_every_isa(isa, dtype, window):
     """Part (c) and the merge (C++ window_merge) on each ISA variant, from strided views (q and out rows of wider
     tensors, keys [n, H, D] slices of a K/V pair): float32 end to end is the C++ prefill kernel's answer to float32
-    rounding (flash sums in another order), bf16 within bf16 rounding."""
+    rounding (flash sums in another order), bf16 within bf16 rounding; with and without a recent window."""
     H, G, D = 2, 3, 64
     g = torch.Generator().manual_seed(9)
     n = 300
@@ -59,11 +65,12 @@ def test_window_merge_on_every_isa(isa, dtype):
     try:
         cpu.set_isa(isa)
         for a, b in [(0, 7), (5, 41), (16, 200), (150, 300)]:
-            x = cpu._own_block(a)
+            x = cpu._own_block(a, window)
             out = torch.zeros(b - a, 2 * H * G, D, dtype=dtype)[:, ::2]
-            cpu_flash.flash_prefill(q[a:b], kd[:b], vd[:b], ke[x:b], ve[x:b], x, a, D ** -0.5, out)
+            cpu_flash.flash_prefill(q[a:b], kd[:b], vd[:b], ke[x:b], ve[x:b], x, a, D ** -0.5, out, window=window)
             ref = cpu.prefill_attention(q[a:b].float(), kd[:b].float(), vd[:b].float(), ke[x:b].float(),
-                                        ve[x:b].float(), x, a, D ** -0.5, out=torch.empty(b - a, H * G, D))
+                                        ve[x:b].float(), x, a, D ** -0.5, out=torch.empty(b - a, H * G, D),
+                                        window=window)
             tol = 2e-5 if dtype == torch.float32 else FLASH_TOL
             assert (out.float() - ref).abs().max().item() <= tol * ref.abs().max().item(), (a, b)
     finally:
@@ -74,19 +81,24 @@ def test_window_merge_refuses_mixed_dtypes():
     q = torch.randn(4, 2, 64).bfloat16()
     k = torch.randn(4, 1, 64)
     with pytest.raises(RuntimeError, match="one dtype"):
-        cpu._C.window_merge(q, k, k, k, k, 0, 0, 0.125, [], [], [], torch.empty_like(q))
+        cpu._C.window_merge(q, k, k, k, k, 0, 0, 0.125, [], [], [], torch.empty_like(q), 0)
 
 
-def test_forward_serves_the_flash_prefill_when_selected(monkeypatch):
+@pytest.mark.parametrize("fmt,window", [("temporalkv-2bit", None), ("temporalkv-2bit", 32), ("selective-int4", None),
+                                        ("tada-4bit", None)])
+def test_forward_serves_the_flash_prefill_when_selected(fmt, window, monkeypatch):
     """ops.cpu.forward on a bf16 model, prompts cut into chunks: with VLLM_TEMPORALKV_CPU_PREFILL=flash the outputs
     are the C++ kernel's within bf16 rounding, not bit for bit (so the flash kernel did serve), and the pages
-    written for the same cuts are identical (the prefill attention does not touch the cache update)."""
+    written for the same cuts are identical (the prefill attention does not touch the cache update); codebook codes
+    with and without a recent window, and the calibration-free formats (whose window is on by default)."""
     D, n = 64, 600
-    lc = make_cache("temporalkv-2bit", D, True, torch.bfloat16, 1)
+    bs = 16 if fmt == "temporalkv-2bit" and window is None else 256  # a page holds the window and the tail
+    lc = make_cache(fmt, D, fmt.startswith("temporalkv"), torch.bfloat16, 1, block_size=bs, window=window)
+    assert (window is None and fmt == "temporalkv-2bit") or lc.layout.window  # selective / TaDA: 128 by default
     g = torch.Generator().manual_seed(12)
     k, v = torch.randn(n, 2, D, generator=g).bfloat16(), torch.randn(n, 2, D, generator=g).bfloat16()
     q = torch.randn(n, 6, D, generator=g).bfloat16()
-    table = torch.randperm(n // 16 + 1, generator=g)
+    table = torch.randperm(n // bs + 1, generator=g)
     runs = {}
     for mode in ("kernel", "flash"):
         monkeypatch.setattr(cpu, "PREFILL", mode)
@@ -96,7 +108,7 @@ def test_forward_serves_the_flash_prefill_when_selected(monkeypatch):
             for a, b in zip(cuts, cuts[1:]):
                 pos = torch.arange(a, b)
                 out[a:b] = cpu.forward(lc, pages, q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]),
-                                       torch.tensor([b]), table[None], pos, table[pos // 16], D ** -0.5,
+                                       torch.tensor([b]), table[None], pos, table[pos // bs], D ** -0.5,
                                        batch_invariant=False)
             runs[mode, len(cuts)] = out, pages
     ref = runs["kernel", 2][0]

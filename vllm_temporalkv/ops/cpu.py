@@ -421,11 +421,11 @@ def _own_block(p: int, window: int = 0) -> int:
 
 def attend_fast(q, k_exact, v_exact, k_dec, v_dec, scale, offset, window: int = 0):
     """``paged_torch._attend_fast``'s twin (its arguments: full-length exact and decoded K/V) on the C++ prefill
-    kernel, or on torch's flash kernel where a served chunk would be (``use_flash_prefill``; no recent window)."""
+    kernel, or on torch's flash kernel where a served chunk would be (``use_flash_prefill``)."""
     x = _own_block(offset, window)
     n = offset + q.shape[0]
-    if not window and use_flash_prefill(q.dtype):  # as a served chunk (_prefill)
-        return flash_prefill(q, k_dec, v_dec, k_exact[x:n], v_exact[x:n], x, offset, scale)
+    if use_flash_prefill(q.dtype):  # as a served chunk (_prefill)
+        return flash_prefill(q, k_dec, v_dec, k_exact[x:n], v_exact[x:n], x, offset, scale, window=window)
     return prefill_attention(q, k_dec, v_dec, k_exact[x:n], v_exact[x:n], x, offset, scale, window=window)
 
 

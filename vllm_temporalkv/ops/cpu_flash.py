@@ -15,8 +15,14 @@ The definition (``ops.cpu.prefill_attention``): a query at position p attends to
       chunk's i-th query sees the i-th key on), K/V repeated per query head (chunk-sized);
       For a short chunk (a) and (b) are one flash call over decoded [0, s + Tq) with an additive mask (MASKED_MAX);
   (c) the 8 positions p - 7 .. p: decoded before p's own block, exact from it - in C++ (``window_merge``,
-      csrc/prefill_impl.h), which also merges (a) and (b) into the output: per query its 8 scores and the parts'
-      log-sum-exps in one float32 softmax (in plain torch, (c) and the merge took 3x the flash calls' time).
+      csrc/prefill_impl.h), which also merges the other parts into the output: per query its 8 scores and the
+      parts' log-sum-exps in one float32 softmax (in plain torch, (c) and the merge took 3x the flash calls' time).
+
+With a recent window of w tokens (selective, TaDA, QJL; an option for all) a query at p reads exactly from w tokens
+before its own block, so everything above moves w positions back: (a) and (b) take the decoded keys <= p - w - 8,
+(c) the positions p - w - 7 .. p - w, and a fourth part takes the rest:
+  (d) exact keys p - w + 1 .. p (the band): flash calls over blocks of BAND_ROWS queries, each over the exact keys
+      its queries' bands cover, with an additive band mask (``_band_mask``); the blocks' outputs fill one part.
 
 What it guarantees: the same attention as the C++ kernel up to bf16 rounding (scores and weights in bf16 GEMMs
 inside flash, parts merged in float32), not the kernel's bit-for-bit independence of how a prompt was chunked
@@ -56,6 +62,42 @@ def _mask(t: int, first: int, n: int, g: int, dtype: torch.dtype) -> torch.Tenso
     return m.repeat(g, 1)
 
 
+# queries per flash call of the band part (d): a block's call computes BAND_ROWS x (BAND_ROWS + w) scores for the
+# BAND_ROWS x w it needs; fewer rows waste less, more rows spend less on calls (measured on the 2-core AMX Xeon,
+# SmolLM2's shape, w = 128, a 4096-token chunk: 64 rows 1.00, 128 rows 0.95, 256 rows 0.99 of 64's time)
+BAND_ROWS = 128
+
+
+@functools.lru_cache(maxsize=16)
+def _band_mask(t: int, rel: int, n: int, g: int, w: int, dtype: torch.dtype) -> torch.Tensor:
+    """[g * t, n] additive mask: row i * t + u (query head i, the block's u-th query, at key index rel + u) sees
+    key j iff rel + u - w < j <= rel + u."""
+    d = torch.arange(n)[None] - (rel + torch.arange(t)[:, None])  # key index - the query's own
+    m = torch.zeros(t, n, dtype=dtype).masked_fill((d > 0) | (d <= -w), float("-inf"))
+    return m.repeat(g, 1)
+
+
+def _band(q: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, x0: int, offset: int, w: int,
+          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Part (d): query t (position offset + t) over exact keys offset + t - w + 1 .. offset + t (kx / vx rows from
+    position x0) -> (o [H, g, Tq, D], lse [H, g, Tq])."""
+    Tq, Hq, D = q.shape
+    H = kx.shape[1]
+    g = Hq // H
+    o = torch.empty(H, g, Tq, D, dtype=q.dtype)
+    lse = torch.empty(H, g, Tq, dtype=torch.float32)
+    for t0 in range(0, Tq, BAND_ROWS):
+        t1 = min(Tq, t0 + BAND_ROWS)
+        t = t1 - t0
+        a, b = max(offset + t0 - w + 1, 0) - x0, offset + t1 - x0  # kx rows of the block's keys
+        qm = q[t0:t1].view(t, H, g, D).permute(1, 2, 0, 3).reshape(1, H, g * t, D)
+        ob, lb = _flash(qm, kx[a:b].transpose(0, 1)[None], vx[a:b].transpose(0, 1)[None],
+                        attn_mask=_band_mask(t, offset + t0 - x0 - a, b - a, g, w, q.dtype), scale=scale)
+        o[:, :, t0:t1] = ob[0].view(H, g, t, D)
+        lse[:, :, t0:t1] = lb[0].view(H, g, t)
+    return o, lse
+
+
 def register_window_merge(fn) -> None:
     global _window_merge
     _window_merge = fn
@@ -63,10 +105,12 @@ def register_window_merge(fn) -> None:
 
 @torch.no_grad()
 def flash_prefill(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor,
-                  x0: int, offset: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``ops.cpu.prefill_attention``'s attention (no recent window) from the parts in the module comment: queries
-    q [Tq, Hq, D] at positions offset..; kd / vd decoded [>= own block of the last query, H, D] from position 0;
-    kx / vx exact from position x0 (<= the first query's own-block start) to offset + Tq - 1."""
+                  x0: int, offset: int, scale: float, out: torch.Tensor | None = None,
+                  window: int = 0) -> torch.Tensor:
+    """``ops.cpu.prefill_attention``'s attention from the parts in the module comment: queries q [Tq, Hq, D] at
+    positions offset..; kd / vd decoded [>= exact start of the last query, H, D] from position 0; kx / vx exact
+    from position x0 (<= the first query's exact start, ``ops.cpu._own_block(offset, window)``) to offset + Tq - 1;
+    window: a recent window (a multiple of 8; 0: none)."""
     Tq, Hq, D = q.shape
     H = kd.shape[1]
     g = Hq // H
@@ -77,7 +121,7 @@ def flash_prefill(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, kx: torch
     dt = q.dtype
     kd, vd, kx, vx = kd.to(dt), vd.to(dt), kx.to(dt), vx.to(dt)
     parts: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (o [H, g, Tq - t0, D], lse [H, g, Tq - t0], t0)
-    s = offset - BLOCK_TOKENS
+    s = offset - BLOCK_TOKENS - window  # query t sees decoded keys < s + t + 1 in (a) and (b)
     qlo = max(0, -s)
     if Tq > qlo and g * (Tq - qlo) * (s + Tq) <= MASKED_MAX:  # (a) and (b) in one masked call (short chunks)
         t = Tq - qlo
@@ -96,12 +140,15 @@ def flash_prefill(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, kx: torch
         vb = vd[a:b].transpose(0, 1).repeat_interleave(g, 0)[None]
         o, lse = _flash(q[qlo:].transpose(0, 1)[None], kb, vb, is_causal=True, scale=scale)
         parts.append((o[0].view(H, g, Tq - qlo, D), lse[0].view(H, g, Tq - qlo), qlo))
+    if window:  # (d)
+        o, lse = _band(q, kx, vx, x0, offset, window, scale)
+        parts.append((o, lse, 0))
     # (c) and the merge: the C++ extension (csrc/prefill_impl.h window_item)
     if _window_merge is None:
         raise RuntimeError("flash_prefill needs the C++ CPU extension (vllm_temporalkv._C_cpu), which is not loaded: "
                            "rebuild it with `pip install --no-build-isolation -e . --no-deps`")
     _window_merge(q, kd, vd, kx, vx, x0, offset, float(scale), [p[0] for p in parts], [p[1] for p in parts],
-                  [p[2] for p in parts], out)
+                  [p[2] for p in parts], out, int(window))
     return out
 
 
