@@ -286,3 +286,6 @@ def test_wall_time_ratios_only_within_one_machine(tmp_path):
     assert rows["same"].endswith("| 1.50 |") and "A (amx)" in rows["same"]
     assert rows["elsewhere"].endswith("| – |") and "B (avx2)" in rows["elsewhere"]
     assert rows["old"].endswith("| – |") and "earlier run" in rows["old"]
+    saved = json.loads((tmp_path / "retrieval.json").read_text())["formats"]  # the headline's wall_ratio_vs_auto
+    assert saved["same"]["wall_ratio_vs_auto"] == pytest.approx(1.5)
+    assert not any("wall_ratio_vs_auto" in saved[f] for f in ("auto", "elsewhere", "old"))

@@ -54,16 +54,28 @@ def write_markdown(rep: dict, path: Path) -> None:
               "formats timed on others; \"earlier run\": a format scored before the machine was recorded).", "",
               "| --kv-cache-dtype | machine | server start-up s | prompts timed | suite s | s per prompt | ÷ auto |",
               "|---|---|---|---|---|---|---|"]
-    per = lambda r: r["suite_s"] / r.get("suite_prompts", len(r["records"]))  # noqa: E731
-    auto = res.get("auto", {})
-    base_s = per(auto) if auto.get("suite_s") and auto.get("machine") != "mixed" else None
+    ratios = wall_ratios(res)
     for f, r in res.items():
         if "error" not in r and r.get("suite_s") is not None:
-            same = base_s and r.get("machine") == auto.get("machine")
-            ratio = f"{per(r) / base_s:.2f}" if same else "–"
+            ratio = f"{ratios[f]:.2f}" if f in ratios else "–"
             lines.append(f"| {f} | {r.get('machine', 'earlier run')} | {r.get('startup_s', '–')} | "
-                         f"{r.get('suite_prompts', len(r['records']))} | {r['suite_s']} | {per(r):.1f} | {ratio} |")
+                         f"{r.get('suite_prompts', len(r['records']))} | {r['suite_s']} | {_per_prompt(r):.1f} | {ratio} |")
     path.write_text("\n".join(lines) + "\n")
+
+
+def _per_prompt(r: dict) -> float:
+    return r["suite_s"] / r.get("suite_prompts", len(r["records"]))
+
+
+def wall_ratios(res: dict) -> dict:
+    """Each format's seconds per prompt ÷ auto's, for the formats timed on auto's machine (none when auto is missing,
+    failed, or mixes machines): wall times of two machines, or of a VM's different hours, are not a ratio."""
+    auto = res.get("auto", {})
+    if "error" in auto or not auto.get("suite_s") or auto.get("machine") in (None, "mixed"):
+        return {}
+    base = _per_prompt(auto)
+    return {f: _per_prompt(r) / base for f, r in res.items()
+            if "error" not in r and r.get("suite_s") is not None and r.get("machine") == auto["machine"]}
 
 
 def plot(rep: dict, path: Path) -> None:
@@ -114,11 +126,17 @@ def report(rep: dict, out: Path, stem: str = "retrieval") -> dict:
             r["long_avg"] = sum(r["per_length"][n] for n in long) / len(long) if long else None
             r["samples"] = samples_per_cell(r["records"])
     intervals(results, st["lengths"])
+    ratios = wall_ratios(results)
+    for f, r in results.items():  # recomputed on every render: a top-up on another machine withdraws it
+        r.pop("wall_ratio_vs_auto", None)
+        if f in ratios and f != "auto":
+            r["wall_ratio_vs_auto"] = ratios[f]
     write_json(out / f"{stem}.json", rep)
     write_markdown(rep, out / f"{stem}.md")
     plot(rep, out / f"{stem}.png")
     if is_results(out):
-        figs = {}
+        figs = {f"retrieval.{st['name']}.{f}.wall_ratio_vs_auto": r["wall_ratio_vs_auto"]
+                for f, r in results.items() if "wall_ratio_vs_auto" in r}  # seconds per prompt ÷ auto's
         for f, r in results.items():
             if "error" not in r:
                 p = f"retrieval.{st['name']}.{f}."
