@@ -172,8 +172,8 @@ def test_decode_matches_reference(case):
 @pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4], CASES[7]], ids=[IDS[1], IDS[3], IDS[4], IDS[7]])
 def test_forward_steps_match_the_torch_path(case):
     """Serving steps through ``cpu.forward`` (C++ reads, torch writes) and ``paged_torch.forward``: prefill chunks
-    that cross the window and page boundaries, then decode steps of a batch: the same pages, outputs within the
-    model dtype's rounding."""
+    that cross the window and page boundaries, steps mixing a decode and a chunk, then decode steps of a batch: the
+    same pages, outputs within the model dtype's rounding."""
     H, GQ, D = 2, 3, case[1]
     lc = _cache(case, H=H, GQ=GQ)
     bs = lc.block_size
@@ -185,7 +185,7 @@ def test_forward_steps_match_the_torch_path(case):
     ref = pages.clone()
     kv = [(torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g)) for n in total]
     done = [0, 0]
-    steps = [[37, 20], [13, 30]] + [[1, 1]] * 12
+    steps = [[37, 20], [13, 30], [1, 5], [6, 1]] + [[1, 1]] * 12  # and steps mixing a decode and a chunk
     for step in steps:
         qsl = torch.tensor([0] + step).cumsum(0)
         pos = torch.cat([torch.arange(done[r], done[r] + c) for r, c in enumerate(step)])

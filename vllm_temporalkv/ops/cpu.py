@@ -442,11 +442,13 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
     completes are encoded once, by ``write_kv``, and the attention reads their codes decoded by
     ``gather_kv`` - the same values the torch path gets by encoding and decoding them itself (it must
     attend first). Only the exact values of the context's incomplete block are read before the write,
-    which may reuse their tail slots."""
+    which may reuse their tail slots.  With a recent window (the torch path writes; not on small pages) the
+    same order: a chunk's ring rows are read before its write, the decodes' window update comes last."""
     if not supports(lc, pages) or batch_invariant:
         return paged_torch.forward(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables,
                                    positions, page_ids, scale, out, batch_invariant, exact=exact)
-    if not encodes(lc, pages):  # read here, written by the torch path: attend first (this module's attention), then
+    window = lc.layout.window and exact is None
+    if not encodes(lc, pages) and not window:  # read here, written by the torch path: attend first, then
         out = paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out,
                               False, exact)  # the torch update (write_kv_window with a recent window)
         if lc.layout.window:
@@ -466,6 +468,14 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
         _prefill(lc, pages, query[a:b], key[a:b], value[a:b], positions[a:b], page_ids[a:b], block_tables[r],
                  lens[r], scale, out[a:b], None if exact is None else exact.request(r))
     if rows is not None and not rows.numel():  # prefill chunks only: each wrote its own tokens
+        return out
+    if window:  # the decodes' window update, on the torch path (_write_decodes_window: all of them at once)
+        if rows is None:
+            paged_torch.write_kv_window(lc, pages, key, value, query_start_loc, seq_lens, block_tables)
+        else:
+            dec = torch.tensor([r for r in range(len(lens)) if qsl[r + 1] - qsl[r] == 1])  # the rows' requests
+            paged_torch.write_kv_window(lc, pages, key[rows], value[rows], torch.arange(rows.numel() + 1),
+                                        seq_lens[dec], block_tables[dec])
         return out
     tok = None if exact is None else exact.tokens(query_start_loc, key.shape[0])  # (region, sink [N], ring [N])
     if rows is None:  # every request a decode
@@ -503,12 +513,22 @@ def _attend_decodes(lc, pages, query, key, value, query_start_loc, seq_lens, blo
 def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: float, out: torch.Tensor,
              exact=None) -> None:
     """One request's chunk of new tokens (positions n - len(q) .. n - 1): write, then attend.  ``exact``: small
-    pages' (region, sink page, ring page) of this request (``ExactPages.request``)."""
+    pages' (region, sink page, ring page) of this request (``ExactPages.request``).
+
+    With a recent window of w tokens (pages written by the torch path, read by the C++ gather) the same with
+    everything w positions back: the context's exact rows the first query reads (its ring, [lo, ctx)) are read
+    before the write, which may encode them and reuse their slots; the blocks the write encodes are then read
+    back decoded, instead of being encoded and decoded once more for the attention (as the torch path's
+    attend-first order must)."""
     ctx = n - q.shape[0]
-    lo = max(SINK_TOKENS, ctx // BLOCK_TOKENS * BLOCK_TOKENS)
-    e0 = min(lo, ctx)  # exact values from here on: the queries' own blocks
+    w = lc.layout.window
+    lo = max(SINK_TOKENS, (ctx - w) // BLOCK_TOKENS * BLOCK_TOKENS)  # layout.exact_from(ctx, w)
+    e0 = min(lo, ctx)  # exact values from here on: the queries' own blocks (their windows)
     ke, ve = lc.exact(k), lc.exact(v)
-    if ctx > lo:  # the context's incomplete block waits in its page's tail slots: read before writing
+    if ctx > lo and w:  # the ring: read before writing
+        ko, vo = paged_torch.exact_rows(lc, pages, table, lo, ctx)
+        ke, ve = torch.cat([ko.to(lc.dtype), ke]), torch.cat([vo.to(lc.dtype), ve])
+    elif ctx > lo:  # the context's incomplete block waits in its page's tail slots: read before writing
         if exact is None:
             region = region_view(lc.layout, pages, lc.store_dtype)
             tail = region[table[lo // lc.block_size], :, TAIL_SLOT0:TAIL_SLOT0 + ctx - lo].to(lc.dtype)
@@ -517,17 +537,20 @@ def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: floa
         ke = torch.cat([tail[:, :, 0].transpose(0, 1), ke])
         ve = torch.cat([tail[:, :, 1].transpose(0, 1), ve])
     nq = k.shape[0]
-    write_kv(lc, pages, k, v, positions, page_ids,
-             exact=None if exact is None else (exact[0], exact[1].expand(nq), exact[2].expand(nq)))
+    if w:
+        paged_torch.write_kv_window(lc, pages, k, v, torch.tensor([0, nq]), torch.tensor([n]), table[None])
+    else:
+        write_kv(lc, pages, k, v, positions, page_ids,
+                 exact=None if exact is None else (exact[0], exact[1].expand(nq), exact[2].expand(nq)))
     hi = n // BLOCK_TOKENS * BLOCK_TOKENS
-    m = max(hi, min(n, SINK_TOKENS))  # sinks and whole blocks: all in the pages now
-    kg, vg = gather_kv(lc, pages, table, m, exact=exact)
-    x = _own_block(ctx)  # exact keys from the first query's own block
+    m = max(hi, min(n, SINK_TOKENS))  # sinks and whole blocks: all in the pages now (decoded up to the last
+    kg, vg = gather_kv(lc, pages, table, m, exact=exact)  # query's exact start: exact_from(m, w) >= it)
+    x = _own_block(ctx, w)  # exact keys from the first query's exact start
     kx, vx = torch.cat([kg[x:e0], ke]), torch.cat([vg[x:e0], ve])
     if use_flash_prefill(q.dtype):
-        flash_prefill(q, kg, vg, kx, vx, x, ctx, scale, out)
+        flash_prefill(q, kg, vg, kx, vx, x, ctx, scale, out, window=w)
     else:
-        prefill_attention(q, kg, vg, kx, vx, x, ctx, scale, out)
+        prefill_attention(q, kg, vg, kx, vx, x, ctx, scale, out, window=w)
 
 
 def use_flash_prefill(dtype: torch.dtype) -> bool:
