@@ -129,15 +129,18 @@ def capacity_table(h: dict) -> list[str]:
 def retrieval_table(h: dict) -> list[str]:
     # the model's name may hold dots (qwen2.5-1.5b), a format never does
     rows = _grouped(h, r"retrieval\.(.+)\.([^.]+)\.((?:avg_accuracy(?:_4k_8k)?|ratio_vs_auto_4k_8k)(?:_ci_low|_ci_high)?"
-                       r"|samples)")
+                       r"|samples|wall_ratio_vs_auto)")
     out = []
     for name, r in sorted(rows.items()):
         base, stem = r.get("auto", {}), results_stem(name)
+        wall = any("wall_ratio_vs_auto" in x for x in r.values())  # a run timed on one machine
         out += [f"**Long-context retrieval through the server, {name}** (RULER-style tasks, accuracy 0-1; details, "
                 f"paired comparisons and the command in [benchmarks/results/{stem}.md](benchmarks/results/{stem}.md); "
                 f"brackets: 95% bootstrap intervals over the prompts; prompts: samples per task and length; the ratio "
-                f"is paired with auto on the prompts both answered)", "",
-                "| --kv-cache-dtype | prompts | average | 4k-8k | 4k-8k ÷ auto |", "|---|---|---|---|---|"]
+                f"is paired with auto on the prompts both answered"
+                + ("; wall: the suite's seconds per prompt ÷ auto's, on one machine)" if wall else ")"), "",
+                "| --kv-cache-dtype | prompts | average | 4k-8k | 4k-8k ÷ auto |" + (" wall ÷ auto |" if wall else ""),
+                "|---|---|---|---|---|" + ("---|" if wall else "")]
         def ci(x, metric):  # the 95% bootstrap interval, where the run measured one
             lo, hi = x.get(metric + "_ci_low"), x.get(metric + "_ci_high")
             return "" if lo is None or hi is None else f" [{lo:.2f}, {hi:.2f}]"
@@ -150,9 +153,38 @@ def retrieval_table(h: dict) -> list[str]:
                 ratio = _fmt(long / bl) if long is not None and bl else "–"
             n = x.get("samples")
             out.append(f"| {f} | {'–' if n is None else int(n)} | {_fmt(x.get('avg_accuracy'), 3)}"
-                       f"{ci(x, 'avg_accuracy')} | {_fmt(long, 3)}{ci(x, 'avg_accuracy_4k_8k')} | {ratio} |")
+                       f"{ci(x, 'avg_accuracy')} | {_fmt(long, 3)}{ci(x, 'avg_accuracy_4k_8k')} | {ratio} |"
+                       + (f" {_fmt(x.get('wall_ratio_vs_auto', 1.0 if f == 'auto' else None))} |" if wall else ""))
         out.append("")
     return out
+
+
+def choice_table(h: dict, data: str = "brown") -> list[str]:
+    """Per model, each format's bits, perplexity ÷ bf16 and needles ÷ auto side by side: what to serve.  Models
+    with both a quality and a retrieval run (SmolLM2's quality keys carry no model part, its retrieval's
+    `smollm2`; a retrieval run named for a machine, e.g. smollm2-cpu-amx, has no quality of its own)."""
+    ret = _grouped(h, r"retrieval\.(.+)\.([^.]+)\.(ratio_vs_auto_4k_8k(?:_ci_low|_ci_high)?)")
+    qual = _quality(h)
+    out = []
+    for name, r in sorted(ret.items()):
+        q = qual.get((data, "" if name == "smollm2" else name), {})
+        if not q or "bf16" not in q or "ppl" not in q["bf16"]:
+            continue
+        if not out:
+            out += [f"**Which format, per model** ({data} perplexity ÷ bf16 from the quality tables, simulated, "
+                    "thesis protocol; needles: the retrieval tables' 4k-8k accuracy ÷ auto, paired, 95% interval)", "",
+                    "| model | format | bits/float | ppl ÷ bf16 | 4k-8k needles ÷ auto |", "|---|---|---|---|---|"]
+        bits_of = lambda f: q.get(f, {}).get("bits_per_float", 8.0 if f == "fp8" else None)  # noqa: E731
+        fmts = sorted(set(r) - {"auto"}, key=lambda f: (bits_of(f) or 99, f))
+        for f in ["auto"] + fmts:
+            x, m = r.get(f, {}), q.get("bf16" if f == "auto" else f, {})
+            lo, hi = x.get("ratio_vs_auto_4k_8k_ci_low"), x.get("ratio_vs_auto_4k_8k_ci_high")
+            needles = "1.00" if f == "auto" else _fmt(x.get("ratio_vs_auto_4k_8k")) + (
+                f" [{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None else "")
+            ppl = _fmt(m["ppl"] / q["bf16"]["ppl"]) if "ppl" in m else "–"
+            bits = _fmt(bits_of("bf16" if f == "auto" else f))
+            out.append(f"| {name} | {f} | {bits} | {ppl} | {needles} |")
+    return out + [""] if out else out
 
 
 def _fisher_order(row) -> tuple:
@@ -221,6 +253,7 @@ def render(h: dict) -> str:
     lines += capacity_table(h)
     lines += fisher_table(h)
     lines += retrieval_table(h)
+    lines += choice_table(h)
     lines += cpu_kernels_table(h)
     lines += generic_table(h, "kernels", "Kernels", skip="kernels.cpu.")
     lines += generic_table(h, "throughput", "Throughput")

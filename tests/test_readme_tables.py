@@ -62,3 +62,28 @@ def test_quality_model_tag():
             "print(json.dumps([model_tag(m or None) for m in sys.argv[1:]]))")
     assert bench_call(code, "", "smollm2", "qwen2.5-coder-1.5b", "/x/My Model.gguf", "/m/llama-3.1-8b/") == [
         "", "", "qwen2.5-1.5b", "my-model", "llama-3.1-8b"]
+
+
+def test_choice_table_and_wall_ratios():
+    """The per-model choice table joins a model's quality and retrieval figures (SmolLM2's quality keys carry no
+    model part); a retrieval run named for a machine gets no row there, and its wall-time ratios a column of
+    their own in its retrieval table."""
+    h = {"quality.brown.bf16.ppl": 32.0, "quality.brown.temporalkv-2bit.ppl": 40.0,
+         "quality.brown.temporalkv-2bit.bits_per_float": 2.08,
+         "retrieval.smollm2.auto.avg_accuracy": 0.8, "retrieval.smollm2.temporalkv-2bit.avg_accuracy": 0.4,
+         "retrieval.smollm2.temporalkv-2bit.ratio_vs_auto_4k_8k": 0.5,
+         "retrieval.smollm2.temporalkv-2bit.ratio_vs_auto_4k_8k_ci_low": 0.4,
+         "retrieval.smollm2.temporalkv-2bit.ratio_vs_auto_4k_8k_ci_high": 0.6,
+         "retrieval.smollm2-cpu-amx.auto.avg_accuracy": 0.5,
+         "retrieval.smollm2-cpu-amx.temporalkv-2bit.avg_accuracy": 0.4,
+         "retrieval.smollm2-cpu-amx.temporalkv-2bit.wall_ratio_vs_auto": 1.25}
+    lines = bench_call(RENDER, json.dumps(h)).splitlines()
+    assert "| smollm2 | auto | – | 1.00 | 1.00 |" in lines  # (no bits: the headline has no bf16 bits figure)
+    assert "| smollm2 | temporalkv-2bit | 2.08 | 1.25 | 0.50 [0.40, 0.60] |" in lines
+    assert not any(ln.startswith("| smollm2-cpu-amx |") for ln in lines)
+    amx = lines.index(next(ln for ln in lines if "retrieval through the server, smollm2-cpu-amx" in ln))
+    assert lines[amx + 2].endswith("| 4k-8k ÷ auto | wall ÷ auto |")
+    assert "| auto | – | 0.500 | – | – | 1.00 |" in lines[amx:]
+    assert "| temporalkv-2bit | – | 0.400 | – | – | 1.25 |" in lines[amx:]
+    smol = lines.index(next(ln for ln in lines if "retrieval through the server, smollm2**" in ln))
+    assert lines[smol + 2].endswith("| 4k-8k ÷ auto |")  # no wall column where nothing was timed
