@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.cpu_cases import _prefill_dense, make_cache
-from vllm_temporalkv.ops import cpu, cpu_flash
+from vllm_temporalkv.ops import cpu, cpu_flash, paged_torch
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C++ extension (the served path) is not built")
 
@@ -85,12 +85,14 @@ def test_window_merge_refuses_mixed_dtypes():
 
 
 @pytest.mark.parametrize("fmt,window", [("temporalkv-2bit", None), ("temporalkv-2bit", 32), ("selective-int4", None),
-                                        ("tada-4bit", None)])
+                                        ("tada-4bit", None), ("qjl", None)])
 def test_forward_serves_the_flash_prefill_when_selected(fmt, window, monkeypatch):
     """ops.cpu.forward on a bf16 model, prompts cut into chunks: with VLLM_TEMPORALKV_CPU_PREFILL=flash the outputs
     are the C++ kernel's within bf16 rounding, not bit for bit (so the flash kernel did serve), and the pages
     written for the same cuts are identical (the prefill attention does not touch the cache update); codebook codes
-    with and without a recent window, and the calibration-free formats (whose window is on by default)."""
+    with and without a recent window, and the calibration-free formats (whose window is on by default) - QJL's
+    pages written and its keys decoded on the torch path, its chunks attending on flash / the C++ kernel all the
+    same.  Both within bf16 rounding of the torch path's own attention (paged_torch.forward)."""
     D, n = 64, 600
     bs = 16 if fmt == "temporalkv-2bit" and window is None else 256  # a page holds the window and the tail
     lc = make_cache(fmt, D, fmt.startswith("temporalkv"), torch.bfloat16, 1, block_size=bs, window=window)
@@ -113,6 +115,12 @@ def test_forward_serves_the_flash_prefill_when_selected(fmt, window, monkeypatch
             runs[mode, len(cuts)] = out, pages
     ref = runs["kernel", 2][0]
     tol = FLASH_TOL * ref.float().abs().max().item()
+    pages = torch.zeros(len(table), 2, lc.layout.bytes, dtype=torch.uint8)
+    pos = torch.arange(n)
+    want = paged_torch.forward(lc, pages, q, k, v, torch.tensor([0, n]), torch.tensor([n]), table[None], pos,
+                               table[pos // bs], D ** -0.5, batch_invariant=False)
+    assert torch.equal(pages, runs["kernel", 2][1])
+    assert (want.float() - ref.float()).abs().max().item() <= tol
     for (mode, cuts), (out, pages) in runs.items():
         assert torch.equal(pages, runs["kernel", cuts][1])
         assert (out.float() - ref.float()).abs().max().item() <= tol

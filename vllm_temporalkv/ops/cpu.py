@@ -264,6 +264,14 @@ def _static_support(lc) -> tuple[bool, bool]:
     return have
 
 
+def attends(lc) -> bool:
+    """Whether a prefill chunk's attention over decoded and exact K/V arrays (``attend_fast``: flash or the C++
+    prefill kernel) serves this layer cache - also where the kernels do not read its pages (QJL: its key sketches
+    are decoded on the torch path, and the chunk then attends to those decoded keys like any format's)."""
+    D = lc.layout.head_dim
+    return available() and lc.dtype in (torch.bfloat16, torch.float16, torch.float32) and D % 32 == 0 and D <= 256
+
+
 def encodes(lc, pages: torch.Tensor | None = None) -> bool:
     """Whether ``write_kv`` encodes in C++: codebook codes without a recent window.  The others (scaled codes: one
     vectorized absmax per token; a window: blocks leave it one request at a time) are written by the torch path,
@@ -444,9 +452,11 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
     attend first). Only the exact values of the context's incomplete block are read before the write,
     which may reuse their tail slots.  With a recent window (the torch path writes; not on small pages) the
     same order: a chunk's ring rows are read before its write, the decodes' window update comes last."""
-    if not supports(lc, pages) or batch_invariant:
-        return paged_torch.forward(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables,
-                                   positions, page_ids, scale, out, batch_invariant, exact=exact)
+    if not supports(lc, pages) or batch_invariant:  # the torch path; a prefill chunk's attention on K/V arrays
+        return paged_torch.forward(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables,  # is
+                                   positions, page_ids, scale, out, batch_invariant, exact=exact,  # any format's
+                                   attend_fast=attend_fast if not batch_invariant and attends(lc)
+                                   and pages.device.type == "cpu" else None)
     window = lc.layout.window and exact is None
     if not encodes(lc, pages) and not window:  # read here, written by the torch path: attend first, then
         out = paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out,

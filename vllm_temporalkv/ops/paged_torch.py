@@ -603,13 +603,13 @@ def request_keys(lc: LayerCache, pages, key, value, block_table, ctx: int, gathe
 @torch.no_grad()
 def forward(lc: LayerCache, pages, query, key, value, query_start_loc, seq_lens, block_tables, positions, page_ids,
             scale: float, out: torch.Tensor | None = None, batch_invariant: bool = True, plan=None,
-            exact: ExactPages | None = None) -> torch.Tensor:
+            exact: ExactPages | None = None, attend_fast=None) -> torch.Tensor:
     """One layer's step as the backend runs it: attention (``paged_attention``), then the cache update
     (``write_kv``, or ``write_kv_window`` with a recent window) - in that order, as the cache contract requires.
     ``plan``: the Triton path's per-step plan (triton_path.StepPlan), not needed here; ``exact``: small pages'
-    exact pages (``ExactPages``)."""
+    exact pages (``ExactPages``); ``attend_fast``: as in ``paged_attention``."""
     out = paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out,
-                          batch_invariant, exact=exact)
+                          batch_invariant, exact=exact, attend_fast=attend_fast)
     if lc.layout.window:
         write_kv_window(lc, pages, key, value, query_start_loc, seq_lens, block_tables)
     else:
