@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from . import paged_torch
-from ..layout import TAIL_SLOT0
+from ..layout import TAIL_SLOT0, exact_from
 from ..methods import BLOCK_TOKENS, KERNEL_SCALAR, SINK_TOKENS
 from ..cpu_isa import cpu_class
 from ..page_views import region_view
@@ -532,7 +532,7 @@ def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: floa
     attend-first order must)."""
     ctx = n - q.shape[0]
     w = lc.layout.window
-    lo = max(SINK_TOKENS, (ctx - w) // BLOCK_TOKENS * BLOCK_TOKENS)  # layout.exact_from(ctx, w)
+    lo = exact_from(ctx, w)  # the first position the first query reads exactly (the sinks stay exact)
     e0 = min(lo, ctx)  # exact values from here on: the queries' own blocks (their windows)
     ke, ve = lc.exact(k), lc.exact(v)
     if ctx > lo and w:  # the ring: read before writing
