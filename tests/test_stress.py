@@ -60,8 +60,8 @@ def test_compare_verdicts(stress):
 def test_load_disconnect_sigterm_restart(stress, tiny_artifact, tmp_path):
     run_bench("benchmarks.stress", "--formats", "temporalkv-2bit", "--artifact", tiny_artifact, "--requests", "16",
               "--concurrency", "8", "--max-prompt", "2000", "--kv-pages", "3", "--max-model-len", "2048",
-              "--enforce-eager", "--disconnect-probes", "1", "--shutdown-timeout", "120", "--dtype", "float32",
-              "--out", tmp_path)
+              "--enforce-eager", "--disconnect-probes", "1", "--shutdown-timeout", "120", "--sigterm-tokens", "48",
+              "--dtype", "float32", "--out", tmp_path)
     run = json.loads((tmp_path / "stress.json").read_text())
     r = run["formats"]["temporalkv-2bit"]
     assert not r["failed"], r["failed"]

@@ -61,6 +61,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--shutdown-timeout", type=int, default=0,
                     help="vLLM's --shutdown-timeout: 0 aborts in-flight requests at SIGTERM (vLLM's default), N > 0 "
                          "lets them finish for up to N s")
+    ap.add_argument("--sigterm-tokens", type=int, default=200,
+                    help="max_tokens of each of the 8 requests in flight at SIGTERM (with --shutdown-timeout N > 0 the "
+                         "server drains them first: fewer tokens, a shorter drain)")
     ap.add_argument("--enforce-eager", action="store_true")
     add_dtype_arg(ap)
     ap.add_argument("--seed", type=int, default=0)

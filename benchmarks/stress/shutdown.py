@@ -22,7 +22,7 @@ async def sigterm_inflight(args, server: VLLMServer, ids: list[int]) -> dict:
 
     client = openai.AsyncOpenAI(base_url=server.url, api_key="none", timeout=600, max_retries=0)
     inflight = [asyncio.create_task(send(client, Req(20_000 + i, "greedy", ids[90_000 + 800 * i: 90_000 + 800 * i + 700],
-                                                     200))) for i in range(8)]
+                                                     args.sigterm_tokens))) for i in range(8)]
     await asyncio.sleep(3)
     group = [server.proc.pid, *(c.pid for c in psutil.Process(server.proc.pid).children(recursive=True))]
     t0 = time.time()
@@ -45,7 +45,7 @@ async def sigterm_inflight(args, server: VLLMServer, ids: list[int]) -> dict:
     server.stop()
     return {"shutdown_timeout": args.shutdown_timeout, "exit_code": rc, "exit_s": round(exit_s, 2),
             "hung_after_s": limit if hung else None, "hung": hung, "processes": len(group), "left_behind": len(left),
-            "inflight": len(inflight), "inflight_completed": sum(not r["error"] for r in res),
+            "inflight": len(inflight), "inflight_max_tokens": args.sigterm_tokens, "inflight_completed": sum(not r["error"] for r in res),
             "inflight_errors": sorted({r["error"].split(":")[0] for r in res if r["error"]})}
 
 
