@@ -10,9 +10,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 # One vLLM cache root for the whole run, inherited by every server and benchmark it starts (harness.server.VLLMServer
 # made a fresh one per server): in a fresh root each server inspects the model's architecture again, ~8 s of a ~33 s
-# start on a 2-core AMD EPYC, and a run starts ~25 servers and engines.  A user's servers share ~/.cache/vllm the same way.  The
-# root is new per run (nothing is carried between runs); the one compiled server of the default run has no twin whose
-# torch.compile cache it could pick up.
+# start on a 2-core AMD EPYC, and a run starts ~25 servers and engines.  A user's servers share ~/.cache/vllm the
+# same way.  The root is new per run (nothing is carried between runs); the one compiled server of the default run
+# has no twin whose torch.compile cache it could pick up.
 os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="tkv-tests-vllm-cache-"))
 # Triton's interpreter must be chosen before anything imports triton (vLLM does, and several test
 # modules import vLLM at collection): without a GPU the Triton kernels' tests run interpreted

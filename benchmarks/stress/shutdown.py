@@ -45,7 +45,8 @@ async def sigterm_inflight(args, server: VLLMServer, ids: list[int]) -> dict:
     server.stop()
     return {"shutdown_timeout": args.shutdown_timeout, "exit_code": rc, "exit_s": round(exit_s, 2),
             "hung_after_s": limit if hung else None, "hung": hung, "processes": len(group), "left_behind": len(left),
-            "inflight": len(inflight), "inflight_max_tokens": args.sigterm_tokens, "inflight_completed": sum(not r["error"] for r in res),
+            "inflight": len(inflight), "inflight_max_tokens": args.sigterm_tokens,
+            "inflight_completed": sum(not r["error"] for r in res),
             "inflight_errors": sorted({r["error"].split(":")[0] for r in res if r["error"]})}
 
 
