@@ -269,15 +269,19 @@ template <int L>
 inline vf crow(const uint16_t* cb, int64_t gstride, const uint8_t* row, int c0) {
   const int g0 = c0 / L;
 #if TKV_W >= 8
+  // (indexed in bytes from each group's table: the code scales in the load's address, as in traw)
+  auto tab = [&](int g) { return reinterpret_cast<const char*>(cb + g * gstride); };
   auto q8 = [&](int j) {  // the 8 float16 values of groups g0 + j.. (L = 8: one code; 4: two; 2: four)
     const int g = g0 + j;
-    if (L == 8) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + g * gstride + row[g] * 8));
-    if (L == 4)
-      return _mm_unpacklo_epi64(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(cb + g * gstride + row[g] * 4)),
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(cb + (g + 1) * gstride + row[g + 1] * 4)));
+    if (L == 8) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(tab(g) + (size_t)row[g] * 16));
+    if (L == 4) {
+      int64_t a, b;
+      __builtin_memcpy(&a, tab(g) + (size_t)row[g] * 8, 8);
+      __builtin_memcpy(&b, tab(g + 1) + (size_t)row[g + 1] * 8, 8);
+      return _mm_set_epi64x(b, a);
+    }
     int32_t w[4];
-    for (int e = 0; e < 4; ++e) __builtin_memcpy(w + e, cb + (g + e) * gstride + row[g + e] * 2, 4);
+    for (int e = 0; e < 4; ++e) __builtin_memcpy(w + e, tab(g + e) + (size_t)row[g + e] * 4, 4);
     return _mm_setr_epi32(w[0], w[1], w[2], w[3]);
   };
 #if TKV_W == 16
@@ -833,6 +837,31 @@ inline void ktile_fast(float* KT, const uint8_t* const* kc, const uint16_t* gb0,
   }
 }
 
+// channel-chunked K of a tile, the same values as decoding then denormalizing and rotating the columns (the same
+// float32 ops in the same order), in one pass: W channels of a token's row at a time (crow), denormalized and
+// rotated by the token's offset in the tile (rcos/rsin: dcos/dsin as rows, [DTILE][D/2]), into rows tmp
+// [DTILE][D], then transposed into KT[c][t].  Channels outer, the tile's tokens inner: only the W/L groups'
+// codebooks of channels c and c + D/2 are live at a time (a token at a time walked all D/L groups' tables,
+// 32 KB per head at 2 bits, D 64: out of L1, ~1.5x temporal keys' time).  Needs D/2 % W == 0.
+template <int L>
+inline void ktile_channel_fast(float* KT, const uint8_t* const* kc, const uint16_t* cb, int64_t gstride, int D,
+                               const float* kstd, const float* kmean, const float* rcos, const float* rsin,
+                               float* tmp) {
+  const int HD = D / 2, G = D / L;
+  for (int c = 0; c < HD; c += W) {
+    const vf sd0 = vload(kstd + c), mn0 = vload(kmean + c), sd1 = vload(kstd + c + HD), mn1 = vload(kmean + c + HD);
+    for (int t = 0; t < DTILE; ++t) {
+      const uint8_t* row = kc[t / BLOCK] + (t % BLOCK) * G;
+      const vf k0 = vfma(crow<L>(cb, gstride, row, c), sd0, mn0);
+      const vf k1 = vfma(crow<L>(cb, gstride, row, c + HD), sd1, mn1);
+      const vf cc = vload(rcos + t * HD + c), ss = vload(rsin + t * HD + c);
+      vstore(tmp + t * D + c, vfma(k0, cc, -(k1 * ss)));
+      vstore(tmp + t * D + c + HD, vfma(k1, cc, k0 * ss));
+    }
+  }
+  for (int b = 0; b < DTILE / BLOCK; ++b) rows_to_cols(tmp + b * BLOCK * D, D, KT + b * BLOCK, DTILE, D);
+}
+
 // Partial state per query head in DecodeArgs::part: [m, lz, lx, pad, accz[D], accx[D]]: running max,
 // then softmax weights and weighted V sums.  Every V row is accumulated in raw space (accx, lx; decoded
 // rows rounded to the model dtype when exact); the normalized-space pair (accz, lz) is merged as
@@ -883,6 +912,16 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
   const bool fast_v = vtemp && !a.exact;
   const bool fast_vc = !a.exact && a.v.method == CHANNEL && D % W == 0;  // channel V, fast: normalized space too
   const bool fast_k = !a.exact && a.k.method == TEMPORAL && L.cap == 0;
+  // channel-chunked K, fast: decoded, denormalized and rotated row by row (ktile_channel_fast)
+  const bool fast_kc = !a.exact && a.k.method == CHANNEL && L.cap == 0 && HD % W == 0 && HD % BLOCK == 0;
+  float* rcos = nullptr;  // dcos/dsin as rows [DTILE][HD]: the row rotation's factors
+  if (fast_kc) {
+    rcos = static_cast<float*>(__builtin_alloca(sizeof(float) * (2 * DTILE * HD + DTILE * D)));  // + the rows
+    for (int t = 0; t < DTILE; t += BLOCK) {
+      cols_to_rows(a.dcos + t, DTILE, rcos + t * HD, HD, HD);
+      cols_to_rows(a.dsin + t, DTILE, rcos + (DTILE + t) * HD, HD, HD);
+    }
+  }
   const int AW = fast_v ? W : 8;  // lanes per accumulated channel: tokens of a tile (fast) or of a block
   float* acc8 = nullptr;
   if (vtemp) {
@@ -963,7 +1002,22 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
   const float* kinv = K.inv_std + hd;
   const float* vmean = V.mean + hd;
   const float* vstd = V.std + hd;
+  // The code bytes of a tile's blocks, requested from memory ahead of their use: a tile's 8 blocks lie in pages
+  // scattered by the block table, so the hardware prefetcher cannot guess them, and a decode walking one block's
+  // tokens after the other (channel-chunked K) waited for each block's first line in turn (~45% of its time).
+  auto prefetch_tile = [&](int tile) {
+    for (int tok = tile * DTILE; tok < (tile + 1) * DTILE && tok < cend; tok += BLOCK) {
+      const uint8_t* rec = record(a.pages, L, btr[tok / bs], h);
+      const int64_t slot = (tok % bs) / BLOCK;
+      const uint8_t* ck = rec + a.k.codes_off + slot * a.k.code_bytes;
+      const uint8_t* cv = rec + a.v.codes_off + slot * a.v.code_bytes;
+      for (int o = 0; o < a.k.code_bytes; o += 64) __builtin_prefetch(ck + o);
+      for (int o = 0; o < a.v.code_bytes; o += 64) __builtin_prefetch(cv + o);
+    }
+  };
+  if (t_lo < t_hi) prefetch_tile(t_lo);
   for (int tile = t_lo; tile < t_hi; ++tile) {
+    if (tile + 1 < t_hi) prefetch_tile(tile + 1);
     const int t0 = tile * DTILE;
     const int v0 = (t0 > SINKS ? t0 : SINKS) - t0;             // valid columns [v0, v1)
     const int v1 = (t0 + DTILE < cend ? t0 + DTILE : cend) - t0;
@@ -982,7 +1036,23 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
         default: ktile_fast<8>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
       }
     }
-    for (int b = 0; b < (fast_k ? 0 : DTILE / BLOCK); ++b) {
+    if (fast_kc) {
+      const uint8_t* kc[DTILE / BLOCK];
+      for (int b = 0; b < DTILE / BLOCK; ++b) {
+        const int tok = t0 + (b * BLOCK < v0 ? v0 : b * BLOCK < v1 ? b * BLOCK : v1 - BLOCK);  // a valid block
+        kc[b] = record(a.pages, L, btr[tok / bs], h) + K.codes_off + (int64_t)((tok % bs) / BLOCK) * K.code_bytes;
+      }
+      const int64_t gs = (int64_t)K.kc * K.chunk;
+      const uint16_t* cb = K.cent16 + (int64_t)h * (D / K.chunk) * gs;
+      const float* rsin = rcos + DTILE * HD;
+      float* rows = rcos + 2 * DTILE * HD;
+      switch (K.chunk) {
+        case 2: ktile_channel_fast<2>(KT, kc, cb, gs, D, kstd, kmean, rcos, rsin, rows); break;
+        case 4: ktile_channel_fast<4>(KT, kc, cb, gs, D, kstd, kmean, rcos, rsin, rows); break;
+        default: ktile_channel_fast<8>(KT, kc, cb, gs, D, kstd, kmean, rcos, rsin, rows); break;
+      }
+    }
+    for (int b = 0; b < (fast_k || fast_kc ? 0 : DTILE / BLOCK); ++b) {
       const int c0 = b * BLOCK;
       if (c0 < v0 || c0 >= v1) {
         for (int c = 0; c < D; ++c)
@@ -1049,7 +1119,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
           vstore(o + c + HD, vfma(q1, cc, -(q0 * ss)) * sc_);
         }
       }
-      for (int c = 0; c < (fast_k ? 0 : HD); ++c) {  // (fast_k: rotated as decoded)
+      for (int c = 0; c < (fast_k || fast_kc ? 0 : HD); ++c) {  // (fast_k, fast_kc: rotated as decoded)
         float* x0 = KT + c * DTILE;
         float* x1 = KT + (c + HD) * DTILE;
         const float* dc = a.dcos + c * DTILE;

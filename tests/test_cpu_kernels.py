@@ -226,11 +226,13 @@ def test_decode_matches_reference(case):
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "fast"])
 @pytest.mark.parametrize("fmt,outliers", [("temporalkv-2bit", True), ("temporalkv-4bit", False),
                                           ("temporalkv-1bit", False), ("channelkv-2bit", True),
-                                          ("channelkv-4bit", False)])
+                                          ("channelkv-4bit", False), ("channelkv-2bit", False),
+                                          ("channelkv-1bit", False)])
 @pytest.mark.parametrize("H,GQ,D", [(3, 3, 64), (8, 4, 128), (2, 6, 128)])  # SmolLM2's, Llama-8B's, Qwen2.5's GQA
 def test_decode_long_context_gqa_and_isas(H, GQ, D, fmt, outliers, exact, isa):
     """Multi-page sequences (block_size 32), several splits, every ISA variant, both decodes (the fast one's
-    fused temporal K and normalized-space temporal and channel V on every chunk length, with and without outliers)."""
+    fused temporal and channel-chunked K and normalized-space temporal and channel V on every chunk length, with
+    and without outliers)."""
     case = (fmt, D, outliers, torch.bfloat16, 1)
     lens = [300, 129, 36, 8]
     lc, pages, tables, q, key, val = _decode_setup(case, lens, H=H, GQ=GQ, block_size=32, seed=3)
