@@ -444,11 +444,12 @@ inline void dec_tada_rows(const Codec& cd, const Layout& L, const uint8_t* rec0,
     }
     const uint8_t* row = codes + (int64_t)t * rowb;
     const uint16_t* pt = par + (int64_t)t * 2 * G;
-    for (int c0 = 0; c0 < D; c0 += W) {
-      const int gi = c0 / cd.group;  // (W divides the group: 32 | 128 or the whole head)
-      const vf sc = vbc(fp16_to_f32(pt[gi])), mn = vbc(fp16_to_f32(pt[G + gi]));
-      const vf dev = __builtin_convertvector(un(row, c0), vf) * sc + mn;
-      vstore(dst + (int64_t)t * ld + c0, vload(mean + c0) - dev);
+    for (int gi = 0; gi < G; ++gi) {  // (W divides the group: 32 | 128 or the whole head)
+      const vf sc = vbc(fp16_to_f32(pt[gi])), mn = vbc(fp16_to_f32(pt[G + gi]));  // once per group, not per vector
+      for (int c0 = gi * cd.group; c0 < (gi + 1) * cd.group; c0 += W) {
+        const vf dev = __builtin_convertvector(un(row, c0), vf) * sc + mn;
+        vstore(dst + (int64_t)t * ld + c0, vload(mean + c0) - dev);
+      }
     }
   }
 }
@@ -545,16 +546,16 @@ inline void qk_tile(const float* qr, int D, const float* KT, float* sc) {
   }
 }
 
-// acc[i][c] += sum_{t < 8} p[i][t] * Z[t][c] for GB query heads
+// acc[i][c] += sum_{t < n} p[i][t] * Z[t][c] for GB query heads (n tokens: the sums loaded once)
 template <int GB>
-inline void pv_block(float* acc, int astride, const float* p, int pstride, const float* Z, int D) {
+inline void pv_rows(float* acc, int astride, const float* p, int pstride, const float* Z, int D, int n) {
   for (int c = 0; c < D; c += 2 * W) {
     vf a0[GB], a1[GB];
     for (int i = 0; i < GB; ++i) {
       a0[i] = vload(acc + i * astride + c);
       a1[i] = vload(acc + i * astride + c + W);
     }
-    for (int t = 0; t < BLOCK; ++t) {
+    for (int t = 0; t < n; ++t) {
       const vf z0 = vload(Z + t * D + c), z1 = vload(Z + t * D + c + W);
       for (int i = 0; i < GB; ++i) {
         const vf pb = vbc(p[i * pstride + t]);
@@ -569,6 +570,17 @@ inline void pv_block(float* acc, int astride, const float* p, int pstride, const
   }
 }
 
+inline void pv_rows_any(float* acc, int astride, const float* p, int g, const float* Z, int D, int n) {
+  int i = 0;
+  for (; i + 4 <= g; i += 4) pv_rows<4>(acc + i * astride, astride, p + i * DTILE, DTILE, Z, D, n);
+  switch (g - i) {
+    case 3: pv_rows<3>(acc + i * astride, astride, p + i * DTILE, DTILE, Z, D, n); break;
+    case 2: pv_rows<2>(acc + i * astride, astride, p + i * DTILE, DTILE, Z, D, n); break;
+    case 1: pv_rows<1>(acc + i * astride, astride, p + i * DTILE, DTILE, Z, D, n); break;
+    default: break;
+  }
+}
+
 inline void qk_tile_any(const float* qr, int g, int D, const float* KT, float* sc) {
   int i = 0;
   for (; i + 4 <= g; i += 4) qk_tile<4>(qr + i * D, D, KT, sc + i * DTILE);
@@ -576,17 +588,6 @@ inline void qk_tile_any(const float* qr, int g, int D, const float* KT, float* s
     case 3: qk_tile<3>(qr + i * D, D, KT, sc + i * DTILE); break;
     case 2: qk_tile<2>(qr + i * D, D, KT, sc + i * DTILE); break;
     case 1: qk_tile<1>(qr + i * D, D, KT, sc + i * DTILE); break;
-    default: break;
-  }
-}
-
-inline void pv_block_any(float* acc, int astride, const float* p, int g, const float* Z, int D) {
-  int i = 0;
-  for (; i + 4 <= g; i += 4) pv_block<4>(acc + i * astride, astride, p + i * DTILE, DTILE, Z, D);
-  switch (g - i) {
-    case 3: pv_block<3>(acc + i * astride, astride, p + i * DTILE, DTILE, Z, D); break;
-    case 2: pv_block<2>(acc + i * astride, astride, p + i * DTILE, DTILE, Z, D); break;
-    case 1: pv_block<1>(acc + i * astride, astride, p + i * DTILE, DTILE, Z, D); break;
     default: break;
   }
 }
@@ -902,12 +903,14 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
   const int bs = L.block_size;
 
   alignas(64) float KT[MAX_D * DTILE];      // decoded keys of a tile, [D][DTILE]
-  alignas(64) float Z[BLOCK * MAX_D];      // decoded, normalized values of one block, [8][D]
   alignas(64) float tmp[BLOCK * MAX_D];
   float* qr = static_cast<float*>(__builtin_alloca(sizeof(float) * g * D));   // rotated queries
   float* sc = static_cast<float*>(__builtin_alloca(sizeof(float) * g * DTILE));  // scores / weights
 
   const bool vtemp = a.v.method == TEMPORAL;  // V accumulated per lane straight from the centroids
+  // the scaled methods' values are raw (std 1, mean 0): the fast decode skips their denormalization
+  const bool skip_vnorm = !a.exact && (a.v.method == SCALED || a.v.method == TADA);
+  float* ZT = static_cast<float*>(__builtin_alloca(sizeof(float) * DTILE * D));  // a tile's decoded V rows
   // the fast decode (module comment above pv_temporal_z): V in normalized space, K decoded and rotated in one pass
   const bool fast_v = vtemp && !a.exact;
   const bool fast_vc = !a.exact && a.v.method == CHANNEL && D % W == 0;  // channel V, fast: normalized space too
@@ -941,24 +944,21 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
     int ne = 0;
     const int nsink = p < SINKS ? p : SINKS;
     const uint8_t* rec0 = record(a.pages, L, a.xp ? a.xp[2 * r] : btr[0], h);
+    auto row_f32 = [&](float* dst, const uint16_t* src) {  // h2f's values, W at a time (a recent window's
+      int c = 0;                                              // 128 rows were ~1/6 of a TaDA decode's time)
+      for (; c + W <= D; c += W) vstore(dst + c, vload_half(src + c, L.bf16));
+      for (; c < D; ++c) dst[c] = h2f(src[c], L.bf16);
+    };
     for (int j = 0; j < nsink; ++j, ++ne) {
-      const uint16_t* kr = region_row(rec0, L, j, 0);
-      const uint16_t* vr = region_row(rec0, L, j, 1);
-      for (int c = 0; c < D; ++c) {
-        ek[ne * D + c] = h2f(kr[c], L.bf16);
-        ev[ne * D + c] = h2f(vr[c], L.bf16);
-      }
+      row_f32(ek + ne * D, region_row(rec0, L, j, 0));
+      row_f32(ev + ne * D, region_row(rec0, L, j, 1));
     }
     if (p >= SINKS && p > cend) {  // the ring: token t in slot TAIL0 + t % ring of its own page (small pages: t % 8)
       for (int t = cend; t < p; ++t, ++ne) {
         const uint8_t* rect = record(a.pages, L, a.xp ? a.xp[2 * r + 1] : btr[t / bs], h);
         const int slot = a.xp ? t % BLOCK : TAIL0 + t % L.ring;
-        const uint16_t* kr = region_row(rect, L, slot, 0);
-        const uint16_t* vr = region_row(rect, L, slot, 1);
-        for (int c = 0; c < D; ++c) {
-          ek[ne * D + c] = h2f(kr[c], L.bf16);
-          ev[ne * D + c] = h2f(vr[c], L.bf16);
-        }
+        row_f32(ek + ne * D, region_row(rect, L, slot, 0));
+        row_f32(ev + ne * D, region_row(rect, L, slot, 1));
       }
     }
     const float* kn = a.knew + ((int64_t)r * H + h) * D;
@@ -1246,23 +1246,27 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
       }
       continue;
     }
-    // V: decode each block once (normalized), accumulate for all query heads
-    for (int b = v0 / BLOCK; b < v1 / BLOCK; ++b) {
+    // V: decode each block of the tile once (normalized) into the tile's rows, then accumulate them for all query
+    // heads in one pass (the same FMAs in the same order as block by block, without reloading the sums per block)
+    const int b0 = v0 / BLOCK, b1 = v1 / BLOCK;
+    for (int b = b0; b < b1; ++b) {
       const int tok = t0 + b * BLOCK;
       const uint8_t* rec = record(a.pages, L, btr[tok / bs], h);
       const int slot = (tok % bs) / BLOCK;
-      decode_block_at(V, L, h, rec, slot, Z, D, false, tmp, true);
-      for (int t = 0; t < BLOCK; ++t)  // z * std + mean (two roundings, as torch), model dtype
-        for (int c = 0; c < D; c += W)
-          vstore(Z + t * D + c, vround(vload(Z + t * D + c) * vload(vstd + c) + vload(vmean + c), rmode));
+      float* Zb = ZT + b * BLOCK * D;
+      decode_block_at(V, L, h, rec, slot, Zb, D, false, tmp, true);
+      if (!skip_vnorm)
+        for (int t = 0; t < BLOCK; ++t)  // z * std + mean (two roundings, as torch), model dtype
+          for (int c = 0; c < D; c += W)
+            vstore(Zb + t * D + c, vround(vload(Zb + t * D + c) * vload(vstd + c) + vload(vmean + c), rmode));
       if (L.cap > 0) {
         const int16_t* oi = reinterpret_cast<const int16_t*>(rec + V.idx_off) + slot * L.cap;
         const uint16_t* ov = reinterpret_cast<const uint16_t*>(rec + V.val_off) + slot * L.cap;
         for (int o = 0; o < L.cap; ++o)
-          if (oi[o] >= 0) Z[oi[o]] = h2f(ov[o], L.bf16);
+          if (oi[o] >= 0) Zb[oi[o]] = h2f(ov[o], L.bf16);
       }
-      pv_block_any(part + 4 + D, stride, sc + b * BLOCK, g, Z, D);
     }
+    if (b1 > b0) pv_rows_any(part + 4 + D, stride, sc + b0 * BLOCK, g, ZT + b0 * BLOCK * D, D, (b1 - b0) * BLOCK);
   }
   if (vtemp) {
     for (int i = 0; i < g; ++i) {
