@@ -1002,9 +1002,12 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
   const float* kinv = K.inv_std + hd;
   const float* vmean = V.mean + hd;
   const float* vstd = V.std + hd;
-  // The code bytes of a tile's blocks, requested from memory ahead of their use: a tile's 8 blocks lie in pages
-  // scattered by the block table, so the hardware prefetcher cannot guess them, and a decode walking one block's
-  // tokens after the other (channel-chunked K) waited for each block's first line in turn (~45% of its time).
+  // The code bytes of a tile's blocks, requested from memory ahead of their use when pages are smaller than a
+  // tile: its 8 blocks then lie in pages scattered by the block table, the hardware prefetcher cannot guess them,
+  // and a decode walking one block's tokens after the other (channel-chunked K) waited for each block's first line
+  // in turn (~45% of its time on 16-token pages).  Within one page the codes are sequential and the addresses'
+  // divisions cost more than the prefetches gain (~10% of a batch-1 call).
+  const bool scattered = bs < DTILE;
   auto prefetch_tile = [&](int tile) {
     for (int tok = tile * DTILE; tok < (tile + 1) * DTILE && tok < cend; tok += BLOCK) {
       const uint8_t* rec = record(a.pages, L, btr[tok / bs], h);
@@ -1015,9 +1018,9 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
       for (int o = 0; o < a.v.code_bytes; o += 64) __builtin_prefetch(cv + o);
     }
   };
-  if (t_lo < t_hi) prefetch_tile(t_lo);
+  if (scattered && t_lo < t_hi) prefetch_tile(t_lo);
   for (int tile = t_lo; tile < t_hi; ++tile) {
-    if (tile + 1 < t_hi) prefetch_tile(tile + 1);
+    if (scattered && tile + 1 < t_hi) prefetch_tile(tile + 1);
     const int t0 = tile * DTILE;
     const int v0 = (t0 > SINKS ? t0 : SINKS) - t0;             // valid columns [v0, v1)
     const int v1 = (t0 + DTILE < cend ? t0 + DTILE : cend) - t0;
