@@ -1018,6 +1018,14 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
       for (int o = 0; o < a.v.code_bytes; o += 64) __builtin_prefetch(cv + o);
     }
   };
+  // the codes of each block of the tile at t0 (valid columns [v0, v1)); a block outside them points at a valid
+  // block's codes (finite values whose softmax weights are exactly 0)
+  auto tile_codes = [&](const Codec& cd, int t0, int v0, int v1, const uint8_t** out) {
+    for (int b = 0; b < DTILE / BLOCK; ++b) {
+      const int tok = t0 + (b * BLOCK < v0 ? v0 : b * BLOCK < v1 ? b * BLOCK : v1 - BLOCK);
+      out[b] = record(a.pages, L, btr[tok / bs], h) + cd.codes_off + (int64_t)((tok % bs) / BLOCK) * cd.code_bytes;
+    }
+  };
   if (scattered && t_lo < t_hi) prefetch_tile(t_lo);
   for (int tile = t_lo; tile < t_hi; ++tile) {
     if (scattered && tile + 1 < t_hi) prefetch_tile(tile + 1);
@@ -1025,34 +1033,25 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
     const int v0 = (t0 > SINKS ? t0 : SINKS) - t0;             // valid columns [v0, v1)
     const int v1 = (t0 + DTILE < cend ? t0 + DTILE : cend) - t0;
     // K: decode the tile's blocks into columns, denormalize, outliers, rotate by the offset
-    if (fast_k) {
+    if (fast_k || fast_kc) {
       const uint8_t* kc[DTILE / BLOCK];
-      for (int b = 0; b < DTILE / BLOCK; ++b) {
-        const int tok = t0 + (b * BLOCK < v0 ? v0 : b * BLOCK < v1 ? b * BLOCK : v1 - BLOCK);  // a valid block
-        kc[b] = record(a.pages, L, btr[tok / bs], h) + K.codes_off + (int64_t)((tok % bs) / BLOCK) * K.code_bytes;
-      }
+      tile_codes(K, t0, v0, v1, kc);
       const int64_t gs = (int64_t)K.kc * K.chunk;
-      const uint16_t* gb0 = K.cent16 + (int64_t)h * (D / K.chunk) * gs;
-      switch (K.chunk) {
-        case 2: ktile_fast<2>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
-        case 4: ktile_fast<4>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
-        default: ktile_fast<8>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
-      }
-    }
-    if (fast_kc) {
-      const uint8_t* kc[DTILE / BLOCK];
-      for (int b = 0; b < DTILE / BLOCK; ++b) {
-        const int tok = t0 + (b * BLOCK < v0 ? v0 : b * BLOCK < v1 ? b * BLOCK : v1 - BLOCK);  // a valid block
-        kc[b] = record(a.pages, L, btr[tok / bs], h) + K.codes_off + (int64_t)((tok % bs) / BLOCK) * K.code_bytes;
-      }
-      const int64_t gs = (int64_t)K.kc * K.chunk;
-      const uint16_t* cb = K.cent16 + (int64_t)h * (D / K.chunk) * gs;
-      const float* rsin = rcos + DTILE * HD;
-      float* rows = rcos + 2 * DTILE * HD;
-      switch (K.chunk) {
-        case 2: ktile_channel_fast<2>(KT, kc, cb, gs, D, kstd, kmean, rcos, rsin, rows); break;
-        case 4: ktile_channel_fast<4>(KT, kc, cb, gs, D, kstd, kmean, rcos, rsin, rows); break;
-        default: ktile_channel_fast<8>(KT, kc, cb, gs, D, kstd, kmean, rcos, rsin, rows); break;
+      const uint16_t* gb0 = K.cent16 + (int64_t)h * (D / K.chunk) * gs;  // the head's first group's centroids
+      if (fast_k) {
+        switch (K.chunk) {
+          case 2: ktile_fast<2>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
+          case 4: ktile_fast<4>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
+          default: ktile_fast<8>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
+        }
+      } else {
+        const float* rsin = rcos + DTILE * HD;
+        float* rows = rcos + 2 * DTILE * HD;
+        switch (K.chunk) {
+          case 2: ktile_channel_fast<2>(KT, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
+          case 4: ktile_channel_fast<4>(KT, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
+          default: ktile_channel_fast<8>(KT, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
+        }
       }
     }
     for (int b = 0; b < (fast_k || fast_kc ? 0 : DTILE / BLOCK); ++b) {
@@ -1176,10 +1175,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
     // V
     if (fast_v || fast_vc) {  // normalized space, straight from the codes
       const uint8_t* bc[DTILE / BLOCK];
-      for (int b = 0; b < DTILE / BLOCK; ++b) {
-        const int tok = t0 + (b * BLOCK < v0 ? v0 : b * BLOCK < v1 ? b * BLOCK : v1 - BLOCK);  // a valid block
-        bc[b] = record(a.pages, L, btr[tok / bs], h) + V.codes_off + (int64_t)((tok % bs) / BLOCK) * V.code_bytes;
-      }
+      tile_codes(V, t0, v0, v1, bc);
       const int64_t gstride = (int64_t)V.kc * V.chunk;
       const uint16_t* cb = V.cent16 + hd * V.kc;  // h * (D / l) groups * kc * l values
       const int b0 = v0 / BLOCK, b1 = v1 / BLOCK;
