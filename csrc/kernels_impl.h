@@ -166,6 +166,13 @@ inline vf vload_half(const uint16_t* p, int bf16) {
 #endif
 }
 
+// n half values -> float32, W at a time then the rest (h2f's values; element by element was ~2/3 of TaDA's decode)
+inline void half_to_f32(float* dst, const uint16_t* src, int n, int bf16) {
+  int i = 0;
+  for (; i + W <= n; i += W) vstore(dst + i, vload_half(src + i, bf16));
+  for (; i < n; ++i) dst[i] = h2f(src[i], bf16);
+}
+
 // round_to's values lane by lane (vround, and NaN as round_to makes it: bfloat16 0x7FC00000, float16 keeps the sign)
 inline vf vround_to(vf x, int mode) {
   if (mode == 2) return x;
@@ -434,13 +441,7 @@ inline void dec_tada_rows(const Codec& cd, const Layout& L, const uint8_t* rec0,
     for (int sh = 0, c0 = 0; c0 < D; ++sh, c0 += cd.mean_c) {  // head sh's share: channels c0 .. c0 + mean_c - 1
       const uint16_t* m = reinterpret_cast<const uint16_t*>(rec0 + (int64_t)sh * L.rec_bytes + cd.mean_off) +
                           ((int64_t)slot * BLOCK + t) * cd.mean_c;
-      const int n = D - c0 < cd.mean_c ? D - c0 : cd.mean_c;
-      int i = 0;  // W at a time (the element-wise conversion was ~2/3 of TaDA's decode), then the share's rest
-      for (; i + W <= n; i += W) vstore(mean + c0 + i, vload_half(m + i, L.bf16));
-      if (L.bf16)
-        for (; i < n; ++i) mean[c0 + i] = bf16_to_f32(m[i]);
-      else
-        for (; i < n; ++i) mean[c0 + i] = fp16_to_f32(m[i]);
+      half_to_f32(mean + c0, m, D - c0 < cd.mean_c ? D - c0 : cd.mean_c, L.bf16);
     }
     const uint8_t* row = codes + (int64_t)t * rowb;
     const uint16_t* pt = par + (int64_t)t * 2 * G;
@@ -945,11 +946,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
     int ne = 0;
     const int nsink = p < SINKS ? p : SINKS;
     const uint8_t* rec0 = record(a.pages, L, a.xp ? a.xp[2 * r] : btr[0], h);
-    auto row_f32 = [&](float* dst, const uint16_t* src) {  // h2f's values, W at a time (a recent window's
-      int c = 0;                                              // 128 rows were ~1/6 of a TaDA decode's time)
-      for (; c + W <= D; c += W) vstore(dst + c, vload_half(src + c, L.bf16));
-      for (; c < D; ++c) dst[c] = h2f(src[c], L.bf16);
-    };
+    auto row_f32 = [&](float* dst, const uint16_t* src) { half_to_f32(dst, src, D, L.bf16); };
     for (int j = 0; j < nsink; ++j, ++ne) {
       row_f32(ek + ne * D, region_row(rec0, L, j, 0));
       row_f32(ev + ne * D, region_row(rec0, L, j, 1));
@@ -1009,22 +1006,23 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
   // in turn (~45% of its time on 16-token pages).  Within one page the codes are sequential and the addresses'
   // divisions cost more than the prefetches gain (~10% of a batch-1 call).
   const bool scattered = bs < DTILE;
-  auto prefetch_tile = [&](int tile) {
-    for (int tok = tile * DTILE; tok < (tile + 1) * DTILE && tok < cend; tok += BLOCK) {
-      const uint8_t* rec = record(a.pages, L, btr[tok / bs], h);
-      const int64_t slot = (tok % bs) / BLOCK;
-      const uint8_t* ck = rec + a.k.codes_off + slot * a.k.code_bytes;
-      const uint8_t* cv = rec + a.v.codes_off + slot * a.v.code_bytes;
-      for (int o = 0; o < a.k.code_bytes; o += 64) __builtin_prefetch(ck + o);
-      for (int o = 0; o < a.v.code_bytes; o += 64) __builtin_prefetch(cv + o);
-    }
-  };
   // the codes of each block of the tile at t0 (valid columns [v0, v1)); a block outside them points at a valid
   // block's codes (finite values whose softmax weights are exactly 0)
   auto tile_codes = [&](const Codec& cd, int t0, int v0, int v1, const uint8_t** out) {
     for (int b = 0; b < DTILE / BLOCK; ++b) {
       const int tok = t0 + (b * BLOCK < v0 ? v0 : b * BLOCK < v1 ? b * BLOCK : v1 - BLOCK);
       out[b] = record(a.pages, L, btr[tok / bs], h) + cd.codes_off + (int64_t)((tok % bs) / BLOCK) * cd.code_bytes;
+    }
+  };
+  auto prefetch_tile = [&](int tile) {
+    const int t0 = tile * DTILE, v0 = (t0 > SINKS ? t0 : SINKS) - t0;
+    const int v1 = (t0 + DTILE < cend ? t0 + DTILE : cend) - t0;
+    const uint8_t* c[DTILE / BLOCK];
+    const Codec* kv[2] = {&a.k, &a.v};
+    for (const Codec* cd : kv) {
+      tile_codes(*cd, t0, v0, v1, c);
+      for (int b = 0; b < DTILE / BLOCK; ++b)
+        for (int o = 0; o < cd->code_bytes; o += 64) __builtin_prefetch(c[b] + o);
     }
   };
   if (scattered && t_lo < t_hi) prefetch_tile(t_lo);
