@@ -15,13 +15,16 @@ constexpr int TILE = 32;   // tokens per prefill key tile (multiple of BLOCK; pr
 // Xeon (fewer per-tile softmax and rescale passes per decoded token; SmolLM2 and Llama-8B shapes, batch 8)
 constexpr int DTILE = 64;
 constexpr int MAX_D = 256;
+constexpr int QJL_OUTLIERS = 8;  // QJL: outlier channels per block of 8 keys (methods.QJL_OUTLIERS)
 constexpr int PF_ROWS = 32;  // prefill: query rows (position x head of a GQA group) sharing each K/V tile read
 
 // the code paths, chosen in Python from the code layout's geometry (layout.CodeLayout.kernel_variant):
 // a vector along tokens, a vector along channels, one value with a codebook per channel; and (no codebook)
 // one integer per value times its token's fp16 scale (the selective formats: (code - qoff) * scale)
-// and TaDA's: the token's head mean minus (code * scale + min), a scale and a min per group of channels
-enum Method : int { TEMPORAL = 0, CHANNEL = 1, SCALAR = 2, SCALED = 3, TADA = 4 };
+// and TaDA's: the token's head mean minus (code * scale + min), a scale and a min per group of channels;
+// AFFINE: code * scale + min with a scale and a min per group of channels (QJL's values); QJL: keys as sign sketches
+// of the post-RoPE key (seed 002), scored without reconstructing them (K only: chunk = m, kc = m_o, cent = S^T)
+enum Method : int { TEMPORAL = 0, CHANNEL = 1, SCALAR = 2, SCALED = 3, TADA = 4, AFFINE = 5, QJL = 6 };
 
 // One (layer, K-or-V) quantizer and where its bytes sit inside a (page, head) record.
 struct Codec {
@@ -33,7 +36,7 @@ struct Codec {
   int64_t codes_off;     // byte offset of this kind's codes in the record
   int64_t idx_off;       // outlier positions (int16), if cap > 0
   int64_t val_off;       // outlier values (model half dtype)
-  const float* cent;     // [H, G, KC, v] float32
+  const float* cent;     // [H, G, KC, v] float32 (QJL: S^T [D][m], the sketch's column c contiguous)
   const float* centT;    // [H, G, v, KC] float32 (encode)
   const float* csq;      // [H, G, KC] float32: each centroid's squared norm (encode's screen, kernels_impl.h)
   const float* cmax;     // [H, G]: the largest of each codebook's csq (NaN if any is)
@@ -48,7 +51,7 @@ struct Codec {
   int qoff;              // SCALED: the unsigned code of 0 (qmax + 1)
   int64_t mean_off;      // TADA: each head's share of the per-token head mean, [blocks][8][mean_c] from here
   int mean_c;            // TADA: channels of the mean per head's record (head h keeps h*mean_c ..)
-  int group;             // TADA: channels per scale / min group (P = 2 * D / group: the scales, then the mins)
+  int group;             // TADA, AFFINE: channels per scale / min group (P = 2 * D / group: the scales, then the mins)
 };
 
 struct Layout {

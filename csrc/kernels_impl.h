@@ -427,8 +427,9 @@ inline void dec_scaled_rows(const Codec& cd, int D, const uint8_t* codes, const 
 
 // TaDA, rows of one block of head h: dst[t][c] = mean[t][c] - (code * scale + min) (two roundings, then the
 // difference: TadaCodec.decode's float32 ops), the scale and min of c's group; the head mean's channels from the
-// records of every head of the page (rec0: head 0's), each keeping mean_c of them
-template <int BITS>
+// records of every head of the page (rec0: head 0's), each keeping mean_c of them.  MEAN = false (AFFINE, QJL's
+// values): dst[t][c] = code * scale + min (qjl.decode_values' float32 ops)
+template <int BITS, bool MEAN = true>
 inline void dec_tada_rows(const Codec& cd, const Layout& L, const uint8_t* rec0, int h, int slot, float* dst,
                           int ld) {
   const Unpack<BITS> un;
@@ -438,7 +439,7 @@ inline void dec_tada_rows(const Codec& cd, const Layout& L, const uint8_t* rec0,
   const uint16_t* par = reinterpret_cast<const uint16_t*>(rec + cd.scales_off) + (int64_t)slot * BLOCK * 2 * G;
   alignas(64) float mean[MAX_D];
   for (int t = 0; t < BLOCK; ++t) {
-    for (int sh = 0, c0 = 0; c0 < D; ++sh, c0 += cd.mean_c) {  // head sh's share: channels c0 .. c0 + mean_c - 1
+    for (int sh = 0, c0 = 0; MEAN && c0 < D; ++sh, c0 += cd.mean_c) {  // head sh's share: channels c0 .. + mean_c - 1
       const uint16_t* m = reinterpret_cast<const uint16_t*>(rec0 + (int64_t)sh * L.rec_bytes + cd.mean_off) +
                           ((int64_t)slot * BLOCK + t) * cd.mean_c;
       half_to_f32(mean + c0, m, D - c0 < cd.mean_c ? D - c0 : cd.mean_c, L.bf16);
@@ -449,7 +450,7 @@ inline void dec_tada_rows(const Codec& cd, const Layout& L, const uint8_t* rec0,
       const vf sc = vbc(fp16_to_f32(pt[gi])), mn = vbc(fp16_to_f32(pt[G + gi]));  // once per group, not per vector
       for (int c0 = gi * cd.group; c0 < (gi + 1) * cd.group; c0 += W) {
         const vf dev = __builtin_convertvector(un(row, c0), vf) * sc + mn;
-        vstore(dst + (int64_t)t * ld + c0, vload(mean + c0) - dev);
+        vstore(dst + (int64_t)t * ld + c0, MEAN ? vload(mean + c0) - dev : dev);
       }
     }
   }
@@ -508,7 +509,7 @@ inline void decode_block(const Codec& cd, int h, int D, const uint8_t* codes, fl
 // every method, TaDA's head mean included
 inline void decode_block_at(const Codec& cd, const Layout& L, int h, const uint8_t* rec, int slot, float* dst,
                             int ld, bool cols, float* tmp, bool half) {
-  if (cd.method != TADA) {
+  if (cd.method != TADA && cd.method != AFFINE) {
     decode_block(cd, h, L.D, rec + cd.codes_off + (int64_t)slot * cd.code_bytes, dst, ld, cols, tmp, half,
                  row_scales(rec, cd, slot));
     return;
@@ -516,10 +517,18 @@ inline void decode_block_at(const Codec& cd, const Layout& L, int h, const uint8
   float* d = cols ? tmp : dst;
   const int dl = cols ? L.D : ld;
   const uint8_t* rec0 = rec - (int64_t)h * L.rec_bytes;
-  switch (cd.bits) {
-    case 8: dec_tada_rows<8>(cd, L, rec0, h, slot, d, dl); break;
-    case 4: dec_tada_rows<4>(cd, L, rec0, h, slot, d, dl); break;
-    default: dec_tada_rows<2>(cd, L, rec0, h, slot, d, dl); break;
+  if (cd.method == AFFINE) {
+    switch (cd.bits) {
+      case 8: dec_tada_rows<8, false>(cd, L, rec0, h, slot, d, dl); break;
+      case 4: dec_tada_rows<4, false>(cd, L, rec0, h, slot, d, dl); break;
+      default: dec_tada_rows<2, false>(cd, L, rec0, h, slot, d, dl); break;
+    }
+  } else {
+    switch (cd.bits) {
+      case 8: dec_tada_rows<8>(cd, L, rec0, h, slot, d, dl); break;
+      case 4: dec_tada_rows<4>(cd, L, rec0, h, slot, d, dl); break;
+      default: dec_tada_rows<2>(cd, L, rec0, h, slot, d, dl); break;
+    }
   }
   if (cols) rows_to_cols(tmp, L.D, dst, ld, L.D);
 }
@@ -590,6 +599,96 @@ inline void qk_tile_any(const float* qr, int g, int D, const float* KT, float* s
     case 2: qk_tile<2>(qr + i * D, D, KT, sc + i * DTILE); break;
     case 1: qk_tile<1>(qr + i * D, D, KT, sc + i * DTILE); break;
     default: break;
+  }
+}
+
+// ---- QJL keys (seed 002): scores straight from the sign sketches --------------------------------
+// A block of 8 keys of one KV head (codecs/qjl.py QJLKeyQuantizer): per token the m sign bits of S k_in (bit j of
+// byte i: sketch row 8i + j, 1 = positive), then per token the m_o sign bits of S_o k_out (S_o: S's first m_o
+// rows), per token ||k|| and ||k_out|| (fp16), then the block's 8 outlier channels (uint8).  QJL's estimate of a
+// post-RoPE query's score is linear in q:
+//   sqrt(pi/2)/m ||k_in|| <S (q - q_M), sign(S k_in)> + sqrt(pi/2)/m_o ||k_out|| <S_o q_M, sign(S_o k_out)>
+// (q_M: q on the block's outlier channels, 0 elsewhere; ||k_in|| = sqrt(max(||k||^2 - ||k_out||^2, 0))).  S q once
+// per call, S q_M (8 columns of S) once per block, then two signed sums per token and query head: no key is
+// reconstructed (the torch path's surrogate k_hat costs (m + m_o) x D multiply-adds per token).  The sums run in
+// another order than the torch path's matmuls: the scores agree to float32 rounding, not bit for bit.
+constexpr float SQRT_HALF_PI = 1.2533141373155003f;  // sqrt(pi / 2)
+
+// the W signs (+1 / -1) of sketch rows j0 .. j0 + W - 1 of a packed sign row (lanebit: 1 << lane)
+inline vf qjl_signs(const uint8_t* row, int j0, vi lanebit) {
+  uint32_t w = 0;
+  __builtin_memcpy(&w, row + j0 / 8, W >= 8 ? W / 8 : 1);
+  if (W < 8) w >>= j0 % 8;
+  return ((vi{} + (int32_t)w) & lanebit) != 0 ? vbc(1.f) : vbc(-1.f);
+}
+
+// out[i] = <s + i * ss, the signs of row> over n sketch rows, GB query heads (each row's signs built once)
+template <int GB>
+inline void qjl_dots(const float* s, int ss, const uint8_t* row, int n, vi lanebit, float* out) {
+  vf acc[GB];
+  for (int i = 0; i < GB; ++i) acc[i] = vf{};
+  for (int j = 0; j < n; j += W) {
+    const vf sg = qjl_signs(row, j, lanebit);
+    for (int i = 0; i < GB; ++i) acc[i] = vfma(vload(s + i * ss + j), sg, acc[i]);
+  }
+  for (int i = 0; i < GB; ++i) out[i] = hsum(acc[i]);
+}
+
+inline void qjl_dots_any(const float* s, int ss, int g, const uint8_t* row, int n, vi lanebit, float* out) {
+  int i = 0;
+  for (; i + 4 <= g; i += 4) qjl_dots<4>(s + i * ss, ss, row, n, lanebit, out + i);
+  switch (g - i) {
+    case 3: qjl_dots<3>(s + i * ss, ss, row, n, lanebit, out + i); break;
+    case 2: qjl_dots<2>(s + i * ss, ss, row, n, lanebit, out + i); break;
+    case 1: qjl_dots<1>(s + i * ss, ss, row, n, lanebit, out + i); break;
+    default: break;
+  }
+}
+
+// Sq[i] = S qr[i] ([g][m]) from S^T [D][m]
+inline void qjl_sketch_queries(const Codec& K, int D, int g, const float* qr, float* Sq) {
+  const int m = K.chunk;
+  for (int i = 0; i < g; ++i)
+    for (int j = 0; j < m; j += W) {
+      vf acc = vf{};
+      for (int c = 0; c < D; ++c) acc = vfma(vbc(qr[i * D + c]), vload(K.cent + (int64_t)c * m + j), acc);
+      vstore(Sq + i * m + j, acc);
+    }
+}
+
+// the scores sc[i * DTILE + c0 + t] of one block's 8 keys (blk) for g query heads qr (already scaled), Sq = S qr;
+// sb: scratch of g * (m + m_o) + 2 * g floats
+inline void qjl_block(const Codec& K, int D, int g, const float* qr, const float* Sq, const uint8_t* blk, float* sb,
+                      float* sc, int c0, vi lanebit) {
+  const int m = K.chunk, mo = K.kc, ms = m + mo;
+  const uint8_t* ob = blk + BLOCK * (m / 8);  // the outlier sketches' signs
+  const uint8_t* nb = ob + BLOCK * (mo / 8);  // the norms
+  const uint8_t* oc = nb + BLOCK * 4;         // the outlier channels
+  int cs[QJL_OUTLIERS], no = 0;
+  for (int o = 0; o < QJL_OUTLIERS; ++o)
+    if (oc[o] < D) cs[no++] = oc[o];  // (written blocks name distinct channels < D; other bytes are not read past S)
+  for (int i = 0; i < g; ++i) {  // s_in = S q - S q_M (first m), s_out = S_o q_M (next m_o)
+    float* si = sb + i * ms;
+    const float* qi = qr + i * D;
+    for (int j = 0; j < m; j += W) {
+      vf u = vf{};
+      for (int o = 0; o < no; ++o) u = vfma(vbc(qi[cs[o]]), vload(K.cent + (int64_t)cs[o] * m + j), u);
+      vstore(si + j, vload(Sq + i * m + j) - u);
+      if (j < mo) vstore(si + m + j, u);
+    }
+  }
+  float* din = sb + g * ms;
+  float* dout = din + g;
+  const float cin = SQRT_HALF_PI / m, cout = SQRT_HALF_PI / mo;
+  for (int t = 0; t < BLOCK; ++t) {
+    qjl_dots_any(sb, ms, g, blk + t * (m / 8), m, lanebit, din);
+    qjl_dots_any(sb + m, ms, g, ob + t * (mo / 8), mo, lanebit, dout);
+    uint16_t hn[2];
+    __builtin_memcpy(hn, nb + 4 * t, 4);
+    const float nu = fp16_to_f32(hn[0]), nuo = fp16_to_f32(hn[1]);
+    const float n2 = nu * nu - nuo * nuo;
+    const float ai = cin * (n2 > 0.f ? __builtin_sqrtf(n2) : 0.f), ao = cout * nuo;
+    for (int i = 0; i < g; ++i) sc[i * DTILE + c0 + t] = ai * din[i] + ao * dout[i];
   }
 }
 
@@ -911,7 +1010,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
 
   const bool vtemp = a.v.method == TEMPORAL;  // V accumulated per lane straight from the centroids
   // the scaled methods' values are raw (std 1, mean 0): the fast decode skips their denormalization
-  const bool skip_vnorm = !a.exact && (a.v.method == SCALED || a.v.method == TADA);
+  const bool skip_vnorm = !a.exact && (a.v.method == SCALED || a.v.method == TADA || a.v.method == AFFINE);
   float* ZT = static_cast<float*>(__builtin_alloca(sizeof(float) * DTILE * D));  // a tile's decoded V rows
   // the fast decode (module comment above pv_temporal_z): V in normalized space, K decoded and rotated in one pass
   const bool fast_v = vtemp && !a.exact;
@@ -937,6 +1036,17 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
   for (int i = 0; i < g * D; ++i) qr[i] = q[i] * a.scale;
   const int rmode = a.exact ? L.round : 2;  // rounding of decoded K/V to the model dtype
   const vi lane = iota();
+  // QJL's keys: the queries' sketches S qr (Sq), a block's adjusted ones (qsb); lanebit: lane i's bit of a sign row
+  const bool qjl_k = a.k.method == QJL;
+  float* Sq = nullptr;
+  float* qsb = nullptr;
+  vi lanebit = vi{} + 1;
+  if (qjl_k) {
+    Sq = static_cast<float*>(__builtin_alloca(sizeof(float) * (g * a.k.chunk + g * (a.k.chunk + a.k.kc) + 2 * g)));
+    qsb = Sq + g * a.k.chunk;
+    for (int i = 0; i < W; ++i) lanebit[i] = 1 << i;
+    qjl_sketch_queries(a.k, D, g, qr, Sq);
+  }
 
   if (s == 0) {  // exact tokens: sinks, the own block's earlier tokens (the tail; a recent window's ring), the new token
     const int emax = SINKS + L.ring + 1;
@@ -1031,111 +1141,124 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
     const int t0 = tile * DTILE;
     const int v0 = (t0 > SINKS ? t0 : SINKS) - t0;             // valid columns [v0, v1)
     const int v1 = (t0 + DTILE < cend ? t0 + DTILE : cend) - t0;
-    // K: decode the tile's blocks into columns, denormalize, outliers, rotate by the offset
-    if (fast_k || fast_kc) {
+    if (qjl_k) {  // scores straight from the sketches (QJL's keys are post-RoPE: qr unrotated)
       const uint8_t* kc[DTILE / BLOCK];
       tile_codes(K, t0, v0, v1, kc);
-      const int64_t gs = (int64_t)K.kc * K.chunk;
-      const uint16_t* gb0 = K.cent16 + (int64_t)h * (D / K.chunk) * gs;  // the head's first group's centroids
-      if (fast_k) {
-        switch (K.chunk) {
-          case 2: ktile_fast<2>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
-          case 4: ktile_fast<4>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
-          default: ktile_fast<8>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
-        }
-      } else {
-        const float* rsin = rcos + DTILE * HD;
-        float* rows = rcos + 2 * DTILE * HD;
-        switch (K.chunk) {
-          case 2: ktile_channel_fast<2>(KT, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
-          case 4: ktile_channel_fast<4>(KT, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
-          default: ktile_channel_fast<8>(KT, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
+      for (int b = 0; b < DTILE / BLOCK; ++b) {
+        if (b * BLOCK >= v0 && b * BLOCK < v1) {
+          qjl_block(K, D, g, qr, Sq, kc[b], qsb, sc, b * BLOCK, lanebit);
+        } else {
+          for (int i = 0; i < g; ++i)
+            for (int t = 0; t < BLOCK; ++t) sc[i * DTILE + b * BLOCK + t] = 0.f;
         }
       }
-    }
-    for (int b = 0; b < (fast_k || fast_kc ? 0 : DTILE / BLOCK); ++b) {
-      const int c0 = b * BLOCK;
-      if (c0 < v0 || c0 >= v1) {
-        for (int c = 0; c < D; ++c)
-          for (int t = 0; t < BLOCK; ++t) KT[c * DTILE + c0 + t] = 0.f;
-        continue;
-      }
-      const int tok = t0 + c0;
-      const uint8_t* rec = record(a.pages, L, btr[tok / bs], h);
-      const int slot = (tok % bs) / BLOCK;
-      const uint8_t* kc = rec + K.codes_off + (int64_t)slot * K.code_bytes;
-      if (K.method == TEMPORAL) {
-        switch (K.chunk) {
-          case 2: dec_temporal_kt<2>(K, h, D, kc, KT + c0); break;
-          case 4: dec_temporal_kt<4>(K, h, D, kc, KT + c0); break;
-          default: dec_temporal_kt<8>(K, h, D, kc, KT + c0); break;
-        }
-      } else {
-        decode_block_at(K, L, h, rec, slot, KT + c0, DTILE, true, tmp, true);
-      }
-    }
-    if (L.cap > 0) {  // outliers: exact values, normalized here (denormalized with the rest below)
-      for (int b = v0 / BLOCK; b < v1 / BLOCK; ++b) {
-        const int tok = t0 + b * BLOCK;
-        const uint8_t* rec = record(a.pages, L, btr[tok / bs], h);
-        const int slot = (tok % bs) / BLOCK;
-        const int16_t* oi = reinterpret_cast<const int16_t*>(rec + K.idx_off) + slot * L.cap;
-        const uint16_t* ov = reinterpret_cast<const uint16_t*>(rec + K.val_off) + slot * L.cap;
-        for (int o = 0; o < L.cap; ++o) {
-          const int f = oi[o];
-          if (f >= 0) {
-            const int c = f % D;
-            KT[c * DTILE + b * BLOCK + f / D] = (h2f(ov[o], L.bf16) - kmean[c]) * kinv[c];
+    } else {
+      // K: decode the tile's blocks into columns, denormalize, outliers, rotate by the offset
+      if (fast_k || fast_kc) {
+        const uint8_t* kc[DTILE / BLOCK];
+        tile_codes(K, t0, v0, v1, kc);
+        const int64_t gs = (int64_t)K.kc * K.chunk;
+        const uint16_t* gb0 = K.cent16 + (int64_t)h * (D / K.chunk) * gs;  // the head's first group's centroids
+        if (fast_k) {
+          switch (K.chunk) {
+            case 2: ktile_fast<2>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
+            case 4: ktile_fast<4>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
+            default: ktile_fast<8>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
+          }
+        } else {
+          const float* rsin = rcos + DTILE * HD;
+          float* rows = rcos + 2 * DTILE * HD;
+          switch (K.chunk) {
+            case 2: ktile_channel_fast<2>(KT, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
+            case 4: ktile_channel_fast<4>(KT, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
+            default: ktile_channel_fast<8>(KT, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
           }
         }
       }
-    }
-    if (a.exact) {
-    for (int c = 0; c < HD; ++c) {  // denormalize, RoPE at each key's position, model dtype: as torch
-      float* x0 = KT + c * DTILE;
-      float* x1 = KT + (c + HD) * DTILE;
-      const float* C = a.cosT + c * a.P + t0;
-      const float* Sn = a.sinT + c * a.P + t0;
-      const vf sd0 = vbc(kstd[c]), mn0 = vbc(kmean[c]), sd1 = vbc(kstd[c + HD]), mn1 = vbc(kmean[c + HD]);
-      for (int t = 0; t < DTILE; t += W) {
-        // z * std + mean, then x * cos + rotate_half(x) * sin: each product rounded, no FMA (the
-        // torch path's float32 ops), then rounded to the model dtype: the torch path's decoded keys
-        const vf k0 = vload(x0 + t) * sd0 + mn0, k1 = vload(x1 + t) * sd1 + mn1;
-        const vf cc = vload(C + t), ss = vload(Sn + t);
-        vstore(x0 + t, vround(k0 * cc + (-k1) * ss, L.round));
-        vstore(x1 + t, vround(k1 * cc + k0 * ss, L.round));
-      }
-    }
-    } else {  // faster: rotate by the offset in the tile only; the queries are rotated back by t0
-      const float* C = a.tcos + (int64_t)tile * HD;
-      const float* Sn = a.tsin + (int64_t)tile * HD;
-      const vf irs = vbc(a.inv_rope_scale), sc_ = vbc(a.scale);
-      for (int i = 0; i < g; ++i) {
-        const float* qi = q + i * D;
-        float* o = qr + i * D;
-        for (int c = 0; c < HD; c += W) {
-          const vf cc = vload(C + c) * irs, ss = vload(Sn + c) * irs;
-          const vf q0 = vload(qi + c), q1 = vload(qi + c + HD);
-          vstore(o + c, vfma(q0, cc, q1 * ss) * sc_);
-          vstore(o + c + HD, vfma(q1, cc, -(q0 * ss)) * sc_);
+      for (int b = 0; b < (fast_k || fast_kc ? 0 : DTILE / BLOCK); ++b) {
+        const int c0 = b * BLOCK;
+        if (c0 < v0 || c0 >= v1) {
+          for (int c = 0; c < D; ++c)
+            for (int t = 0; t < BLOCK; ++t) KT[c * DTILE + c0 + t] = 0.f;
+          continue;
+        }
+        const int tok = t0 + c0;
+        const uint8_t* rec = record(a.pages, L, btr[tok / bs], h);
+        const int slot = (tok % bs) / BLOCK;
+        const uint8_t* kc = rec + K.codes_off + (int64_t)slot * K.code_bytes;
+        if (K.method == TEMPORAL) {
+          switch (K.chunk) {
+            case 2: dec_temporal_kt<2>(K, h, D, kc, KT + c0); break;
+            case 4: dec_temporal_kt<4>(K, h, D, kc, KT + c0); break;
+            default: dec_temporal_kt<8>(K, h, D, kc, KT + c0); break;
+          }
+        } else {
+          decode_block_at(K, L, h, rec, slot, KT + c0, DTILE, true, tmp, true);
         }
       }
-      for (int c = 0; c < (fast_k || fast_kc ? 0 : HD); ++c) {  // (fast_k, fast_kc: rotated as decoded)
+      if (L.cap > 0) {  // outliers: exact values, normalized here (denormalized with the rest below)
+        for (int b = v0 / BLOCK; b < v1 / BLOCK; ++b) {
+          const int tok = t0 + b * BLOCK;
+          const uint8_t* rec = record(a.pages, L, btr[tok / bs], h);
+          const int slot = (tok % bs) / BLOCK;
+          const int16_t* oi = reinterpret_cast<const int16_t*>(rec + K.idx_off) + slot * L.cap;
+          const uint16_t* ov = reinterpret_cast<const uint16_t*>(rec + K.val_off) + slot * L.cap;
+          for (int o = 0; o < L.cap; ++o) {
+            const int f = oi[o];
+            if (f >= 0) {
+              const int c = f % D;
+              KT[c * DTILE + b * BLOCK + f / D] = (h2f(ov[o], L.bf16) - kmean[c]) * kinv[c];
+            }
+          }
+        }
+      }
+      if (a.exact) {
+      for (int c = 0; c < HD; ++c) {  // denormalize, RoPE at each key's position, model dtype: as torch
         float* x0 = KT + c * DTILE;
         float* x1 = KT + (c + HD) * DTILE;
-        const float* dc = a.dcos + c * DTILE;
-        const float* ds = a.dsin + c * DTILE;
+        const float* C = a.cosT + c * a.P + t0;
+        const float* Sn = a.sinT + c * a.P + t0;
         const vf sd0 = vbc(kstd[c]), mn0 = vbc(kmean[c]), sd1 = vbc(kstd[c + HD]), mn1 = vbc(kmean[c + HD]);
         for (int t = 0; t < DTILE; t += W) {
-          const vf k0 = vfma(vload(x0 + t), sd0, mn0), k1 = vfma(vload(x1 + t), sd1, mn1);
-          const vf cc = vload(dc + t), ss = vload(ds + t);
-          vstore(x0 + t, vfma(k0, cc, -(k1 * ss)));
-          vstore(x1 + t, vfma(k1, cc, k0 * ss));
+          // z * std + mean, then x * cos + rotate_half(x) * sin: each product rounded, no FMA (the
+          // torch path's float32 ops), then rounded to the model dtype: the torch path's decoded keys
+          const vf k0 = vload(x0 + t) * sd0 + mn0, k1 = vload(x1 + t) * sd1 + mn1;
+          const vf cc = vload(C + t), ss = vload(Sn + t);
+          vstore(x0 + t, vround(k0 * cc + (-k1) * ss, L.round));
+          vstore(x1 + t, vround(k1 * cc + k0 * ss, L.round));
         }
       }
+      } else {  // faster: rotate by the offset in the tile only; the queries are rotated back by t0
+        const float* C = a.tcos + (int64_t)tile * HD;
+        const float* Sn = a.tsin + (int64_t)tile * HD;
+        const vf irs = vbc(a.inv_rope_scale), sc_ = vbc(a.scale);
+        for (int i = 0; i < g; ++i) {
+          const float* qi = q + i * D;
+          float* o = qr + i * D;
+          for (int c = 0; c < HD; c += W) {
+            const vf cc = vload(C + c) * irs, ss = vload(Sn + c) * irs;
+            const vf q0 = vload(qi + c), q1 = vload(qi + c + HD);
+            vstore(o + c, vfma(q0, cc, q1 * ss) * sc_);
+            vstore(o + c + HD, vfma(q1, cc, -(q0 * ss)) * sc_);
+          }
+        }
+        for (int c = 0; c < (fast_k || fast_kc ? 0 : HD); ++c) {  // (fast_k, fast_kc: rotated as decoded)
+          float* x0 = KT + c * DTILE;
+          float* x1 = KT + (c + HD) * DTILE;
+          const float* dc = a.dcos + c * DTILE;
+          const float* ds = a.dsin + c * DTILE;
+          const vf sd0 = vbc(kstd[c]), mn0 = vbc(kmean[c]), sd1 = vbc(kstd[c + HD]), mn1 = vbc(kmean[c + HD]);
+          for (int t = 0; t < DTILE; t += W) {
+            const vf k0 = vfma(vload(x0 + t), sd0, mn0), k1 = vfma(vload(x1 + t), sd1, mn1);
+            const vf cc = vload(dc + t), ss = vload(ds + t);
+            vstore(x0 + t, vfma(k0, cc, -(k1 * ss)));
+            vstore(x1 + t, vfma(k1, cc, k0 * ss));
+          }
+        }
+      }
+      qk_tile_any(qr, g, D, KT, sc);  // scores
     }
-    // scores, online softmax
-    qk_tile_any(qr, g, D, KT, sc);
+    // online softmax
     for (int i = 0; i < g; ++i) {
       float* st = part + i * stride;
       float* si = sc + i * DTILE;

@@ -100,7 +100,8 @@ Codec make_codec(const std::vector<at::Tensor>& ct, const std::vector<int64_t>& 
   TORCH_CHECK(ci.size() == 13, "codec ints: [method, chunk, bits, kc, code_bytes, codes_off, idx_off, val_off, "
                                 "scales_off, qoff, mean_off, mean_c, group]");
   for (int i = 0; i < 7; ++i) check_f32(ct[i], "codec tensor");
-  TORCH_CHECK(ct[7].scalar_type() == at::kHalf && ct[7].is_contiguous() && ct[7].numel() == ct[0].numel(),
+  TORCH_CHECK(ct[7].scalar_type() == at::kHalf && ct[7].is_contiguous() &&
+                  ct[7].numel() == (ci[0] == QJL ? 0 : ct[0].numel()),
               "cent16: the centroids in float16");
   Codec c;
   c.method = (int)ci[0];
@@ -117,7 +118,7 @@ Codec make_codec(const std::vector<at::Tensor>& ct, const std::vector<int64_t>& 
   c.mean_c = (int)ci[11];
   c.group = (int)ci[12];
   const int64_t D = L.D, H = L.H;
-  TORCH_CHECK(c.method >= 0 && c.method <= 4, "bad method");
+  TORCH_CHECK(c.method >= 0 && c.method <= QJL, "bad method");
   if (c.method == SCALED) {  // no codebook: the centroid tensors are empty, mean 0 and std 1 (values are raw)
     TORCH_CHECK((c.bits == 8 || c.bits == 4) && c.kc == (1 << c.bits) && c.chunk == 1 && c.qoff > 0 &&
                     c.qoff < c.kc, "scaled codec: 8 or 4 bits, 2**bits levels, 0 < qoff < 2**bits");
@@ -136,6 +137,20 @@ Codec make_codec(const std::vector<at::Tensor>& ct, const std::vector<int64_t>& 
                     c.mean_off >= 0 && c.mean_off + nb * BLOCK * c.mean_c * 2 <= L.rec_bytes,
                 "TaDA scales or mean past the record");
     TORCH_CHECK(L.cap == 0, "TaDA keeps no outliers");
+  } else if (c.method == AFFINE) {  // TaDA's scale and min per group of channels, without a head mean
+    TORCH_CHECK((c.bits == 8 || c.bits == 4 || c.bits == 2) && c.kc == (1 << c.bits) && c.chunk == 1,
+                "affine codec: 8, 4 or 2 bits");
+    TORCH_CHECK(c.code_bytes == BLOCK * D * c.bits / 8, "bad code_bytes");
+    TORCH_CHECK(c.group > 0 && D % c.group == 0 && c.group % 32 == 0, "affine group: a multiple of 32 dividing D");
+    TORCH_CHECK(c.scales_off >= 0 && c.scales_off + (L.block_size / BLOCK) * BLOCK * 2 * (D / c.group) * 2 <=
+                    L.rec_bytes, "affine scales past the record");
+    TORCH_CHECK(L.cap == 0, "affine codes keep no outliers");
+  } else if (c.method == QJL) {  // sign sketches: m bits of S k_in, m_o of S_o k_out, 2 norms per token, 8 channels
+    TORCH_CHECK(c.chunk > 0 && c.chunk % 32 == 0 && c.kc > 0 && c.kc % 32 == 0 && c.kc <= c.chunk && c.bits == 1,
+                "QJL codec: sketch sizes m >= m_o, multiples of 32");
+    TORCH_CHECK(c.code_bytes == BLOCK * (c.chunk / 8 + c.kc / 8 + 4) + QJL_OUTLIERS, "bad QJL code_bytes");
+    TORCH_CHECK(ct[0].numel() == D * c.chunk, "QJL: S^T [D, m]");
+    TORCH_CHECK(L.cap == 0, "QJL keys keep no codebook outliers");
   } else if (c.method == SCALAR) {
     TORCH_CHECK((c.bits == 1 || c.bits == 2 || c.bits == 4) && c.kc == (1 << c.bits) && c.chunk == 1,
                 "scalar codec: bits 1/2/4 and 2**bits centroids");
@@ -148,7 +163,7 @@ Codec make_codec(const std::vector<at::Tensor>& ct, const std::vector<int64_t>& 
   const int64_t v = c.method == SCALAR ? 1 : c.chunk;
   const int64_t G = D / v;
   const int64_t nc = c.method >= SCALED ? 0 : H * G * c.kc * v;
-  TORCH_CHECK(ct[0].numel() == nc && ct[1].numel() == nc, "bad centroid shape");
+  TORCH_CHECK((c.method == QJL || ct[0].numel() == nc) && ct[1].numel() == nc, "bad centroid shape");
   for (int i = 2; i < 7; ++i) TORCH_CHECK(ct[i].numel() == H * D, "bad stats shape");
   TORCH_CHECK(c.codes_off + (L.block_size / BLOCK) * c.code_bytes <= L.rec_bytes, "codes past the record");
   if (L.cap > 0)
@@ -164,7 +179,8 @@ Codec make_codec(const std::vector<at::Tensor>& ct, const std::vector<int64_t>& 
   c.hi = ct[6].data_ptr<float>();
   c.cent16 = reinterpret_cast<const uint16_t*>(ct[7].data_ptr());
   check_f32(ct[8], "centK");
-  TORCH_CHECK(ct[8].numel() == ct[0].numel(), "centK: the centroids, [H, KC, D] for the scalar method");
+  TORCH_CHECK(ct[8].numel() == (c.method == QJL ? 0 : ct[0].numel()),
+              "centK: the centroids, [H, KC, D] for the scalar method");
   c.centK = ct[8].data_ptr<float>();
   check_f32(ct[9], "csq");
   TORCH_CHECK(ct[9].numel() == (c.method == TEMPORAL || c.method == CHANNEL ? H * G * c.kc : 0),
@@ -315,6 +331,8 @@ std::vector<at::Tensor> gather(const at::Tensor& pages, const at::Tensor& block_
   check_table(block_table, "block_table");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
+  TORCH_CHECK(a.k.method != QJL, "QJL keys are sketches: the decode attention scores them, gather them on the "
+              "torch path (ops.paged_torch.gather_kv)");
   TORCH_CHECK(block_table.dim() == 1 && block_table.is_contiguous(), "block_table: one contiguous row");
   const int64_t H = a.lay.H, D = a.lay.D, bs = a.lay.block_size;
   TORCH_CHECK(n >= 0 && n <= block_table.numel() * bs, "n exceeds the block table");
@@ -648,5 +666,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("TILE") = tkv::TILE;  // the prefill kernel's key tiles
   m.attr("DECODE_TILE") = tkv::DTILE;
   // bumped whenever an op's arguments change: ops/cpu.py refuses (and says so) a stale build
-  m.attr("ABI_VERSION") = 12;
+  m.attr("ABI_VERSION") = 13;
 }

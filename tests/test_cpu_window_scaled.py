@@ -70,7 +70,8 @@ def test_the_cpu_path_serves_them():
         assert mod is cpu, (case, name)
     qjl = LayerCache.build("qjl", 1, head_dim=64, block_size=256, dtype=torch.bfloat16, rope=None, num_kv_heads=2)
     mod, name = ops.select(qjl, torch.device("cpu"))
-    assert mod is paged_torch and "sketches" in name  # QJL's key sketches: no C++ kernel yet
+    assert mod is cpu and "cache update in torch" in name, name  # QJL: the decode scores its key sketches
+    assert not cpu.encodes(qjl) and not cpu.gathers(qjl)  # (a prefill chunk attends to the torch path's surrogates)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -169,7 +170,52 @@ def test_decode_matches_reference(case):
         cpu.set_isa(before)
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4], CASES[7]], ids=[IDS[1], IDS[3], IDS[4], IDS[7]])
+# QJL (seed 002): keys scored from their sign sketches (csrc method QJL), values 2-bit with a scale and a min per 32
+# channels (AFFINE); layer 1: the first layers' sketch (m = 4D, m_o = D), layer 20: the later ones' (m = m_o = 2D)
+QJL_CASES = [("qjl", 64, torch.float32, 16, 32, 1), ("qjl", 64, torch.bfloat16, 16, 32, 20),
+             ("qjl", 128, torch.float16, None, 256, 1), ("qjl", 96, torch.float32, 8, 16, 20)]
+QJL_IDS = [f"{f}-d{d}-{str(t)[6:]}-w{w}-b{b}-layer{layer}" for f, d, t, w, b, layer in QJL_CASES]
+
+
+@pytest.mark.parametrize("case", QJL_CASES, ids=QJL_IDS)
+def test_qjl_decode_scores_the_sketches(case):
+    """The decode attention straight from QJL's sketches (no key reconstructed) against the torch path, which decodes
+    every key's surrogate k_hat and attends to it: on every ISA, both decodes, two splittings, within the model
+    dtype's rounding (the torch path rounds k_hat to it, the kernel never forms it), and a float32 model's output
+    equal to the float64 oracle's to float32 rounding."""
+    fmt, D, dtype, window, bs, layer = case
+    H, GQ = 2, 3
+    lc = make_cache(fmt, D, False, dtype, layer, H=H, GQ=GQ, block_size=bs, window=window)
+    assert cpu.supports(lc) and not cpu.gathers(lc)
+    pages, tables, kv = _write_prefix(lc, LENS, H, D, seed=2)
+    g = torch.Generator().manual_seed(3)
+    R = len(LENS)
+    q = torch.randn(R, H * GQ, D, generator=g).to(dtype)
+    key = torch.stack([k[-1] for k, _ in kv]).to(dtype)
+    val = torch.stack([v[-1] for _, v in kv]).to(dtype)
+    sl, scale = torch.tensor(LENS), D ** -0.5
+    ref = paged_torch.paged_attention(lc, pages, q, key, val, torch.arange(R + 1), sl, tables, scale,
+                                      batch_invariant=False)
+    want64 = paged_torch.paged_attention(lc, pages, q, key, val, torch.arange(R + 1), sl, tables, scale,
+                                         out=torch.empty(R, H * GQ, D, dtype=torch.float64), batch_invariant=True)
+    before = cpu.isa()
+    try:
+        for isa in cpu.supported_isas():
+            cpu.set_isa(isa)
+            for split_tiles in (cpu.SPLIT_TILES, 1):
+                for exact in (True, False):
+                    out = cpu.decode_attention(lc, pages, q, key, val, sl, tables, scale, split_tiles=split_tiles,
+                                               exact=exact)
+                    err = (out.float() - ref.float()).abs().max().item()
+                    assert err <= _tol(dtype, ref), (isa, split_tiles, exact, err)
+                    if dtype == torch.float32:
+                        assert (out.double() - want64).abs().max() <= 1e-5 * max(1.0, want64.abs().max().item())
+    finally:
+        cpu.set_isa(before)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4], CASES[7], QJL_CASES[1][:5]],
+                         ids=[IDS[1], IDS[3], IDS[4], IDS[7], "qjl-d64-bfloat16-w16-b32"])
 def test_forward_steps_match_the_torch_path(case):
     """Serving steps through ``cpu.forward`` (C++ reads, torch writes) and ``paged_torch.forward``: prefill chunks
     that cross the window and page boundaries, steps mixing a decode and a chunk, then decode steps of a batch: the

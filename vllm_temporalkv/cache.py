@@ -77,11 +77,14 @@ class LayerCache:
         (``CodeLayout.kernel_variant``) from thesis pages (no recent window: they read the tail from one page)."""
         return self.blocker()
 
-    def blocker(self, scaled: bool = False, window: bool = False) -> str | None:
-        """``kernel_blocker`` for kernels that can do more: ``scaled``, decode the selective formats' and TaDA's scaled
-        integer codes (``CodeLayout.cpu_scaled``); ``window``, read a recent window's ring (the C++ kernels do both)."""
+    def blocker(self, scaled: bool = False, window: bool = False, sketches: bool = False) -> str | None:
+        """``kernel_blocker`` for kernels that can do more: ``scaled``, decode the selective formats', TaDA's and QJL's
+        values' scaled integer codes (``CodeLayout.cpu_scaled``); ``window``, read a recent window's ring;
+        ``sketches``, score QJL's post-RoPE key sketches (the C++ decode attention does all three)."""
         for kind, q in (("K", self.k), ("V", self.v)):
             cl = q.code_layout
+            if cl is None and sketches and kind == "K" and q.post_rope:
+                continue
             if cl is None or (cl.kernel_variant is None and not (scaled and cl.cpu_scaled)):
                 return (f"the kernels decode codebook codes{' and scaled ones' if scaled else ''}; "
                         f"{self.fmt.name}'s {kind} are " + ("sketches" if cl is None else "scaled integer codes"))

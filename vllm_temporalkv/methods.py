@@ -126,15 +126,18 @@ class CodeLayout:
 
     @property
     def cpu_scaled(self) -> str | None:
-        """Which scaled integer codes the C++ kernels decode (csrc methods SCALED, TADA), None for others: "selective",
-        one 8- or 4-bit value per float and one fp16 scale per token and KV head; "tada", 8/4/2-bit deviations from
-        the per-token head mean with a scale and a min per group of channels."""
+        """Which scaled integer codes the C++ kernels decode (csrc methods SCALED, TADA, AFFINE), None for others:
+        "selective", one 8- or 4-bit value per float and one fp16 scale per token and KV head; "tada", 8/4/2-bit
+        deviations from the per-token head mean with a scale and a min per group of channels; "affine", 8/4/2-bit
+        values with a scale and a min per group of channels (QJL's values)."""
         if self.vec_tokens != 1 or self.vec_channels != 1 or self.group_channels != 1:
             return None
         if self.row_scales == 1 and not self.scale_group and not self.head_mean and self.code_bits in (4, 8):
             return "selective"
         if self.row_scales == 2 and self.head_mean and self.code_bits in (2, 4, 8):
             return "tada"
+        if self.row_scales == 2 and self.scale_group and not self.head_mean and self.code_bits in (2, 4, 8):
+            return "affine"
         return None
 
     def scales_per_row(self, head_dim: int) -> int:

@@ -298,7 +298,8 @@ class QJLKeyQuantizer(BaseQuantizer):
     as stored, [nb, H, key_block_bytes]); ``decode`` gives the surrogate k_hat [T, H, D], post-RoPE, whose dot
     product with a query is QJL's estimate.  ``fake_quant`` (the quality harness: pre-RoPE keys of one sequence
     from position 0) rotates, runs the served semantics and rotates the surrogate back.  Sketches, not codes of a
-    layout (``code_layout`` None): no C++ / Triton kernel reads them, the torch path serves them."""
+    layout (``code_layout`` None): the C++ decode attention scores them in place (csrc method QJL, the same
+    estimator without forming k_hat); the torch path and the prefill's gather decode k_hat; no Triton kernel."""
 
     post_rope = True
     packs_blocks = True

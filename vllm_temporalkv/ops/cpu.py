@@ -12,8 +12,11 @@ Ops (each the twin of the torch path in ``paged_torch``, which stays the oracle)
   rounded to the model dtype; ``exact=True`` computes decoded K/V exactly as the torch path computes them
   (bit-identical values before the dot products), so outputs agree with the float64 oracle to ~1e-6
   relative (see ``decode_attention``).
+  QJL (seed 002): keys scored straight from their sign sketches (csrc method QJL: S q once per call, the block's
+  outlier channels' share once per block, two signed sums per key; float32 rounding away from the torch path's
+  surrogate keys, which it rounds to the model dtype), values decoded from their 2-bit codes, scale and min.
 * ``gather_kv(lc, pages, block_table, n)``: the first n cached tokens -> (K post-RoPE, V), bit-identical
-  to ``paged_torch.gather_kv``.
+  to ``paged_torch.gather_kv`` (QJL's keys: the torch path's, ``gathers``).
 * ``write_kv(lc, pages, key, value, positions, page_ids)``: cache update, bit-identical pages to
   ``paged_torch.write_kv`` (exhaustive nearest-centroid search under the codec contract).
 * ``nearest(vecs, centroids)``: the codec contract's argmin (registered for "cpu" tensors on load).
@@ -56,7 +59,7 @@ from .cpu_flash import flash_prefill, register_window_merge
 
 logger = logging.getLogger("vllm.temporalkv")
 
-ABI_VERSION = 12  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
+ABI_VERSION = 13  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
 # split-K: every request's context is cut at the same tile boundaries whatever the batch, so its output does
 # not depend on which requests share the step (a batch-dependent split count changed float32 rounding, and a
 # 2-bit cache amplifies that through the codes of later tokens: benchmarks/stress.py).  Long splits cost less
@@ -71,7 +74,8 @@ PREFILL = os.environ.get("VLLM_TEMPORALKV_CPU_PREFILL", "auto")
 if PREFILL not in ("auto", "flash", "kernel"):
     raise ValueError(f"VLLM_TEMPORALKV_CPU_PREFILL={PREFILL!r}: expected auto, flash or kernel (unset: auto)")
 
-_SCALED, _TADA = 3, 4  # csrc/common.h Methods SCALED, TADA: scaled integer codes (no codebook)
+_SCALED, _TADA, _AFFINE = 3, 4, 5  # csrc/common.h Methods SCALED, TADA, AFFINE: scaled integer codes (no codebook)
+_QJL = 6  # csrc/common.h Method QJL: QJL's key sketches (scored, never decoded)
 _C = None
 _LOAD_ERROR: str | None = None
 _WARNED = False
@@ -161,12 +165,19 @@ def _codec_args(q, lay, kind: str, H: int):
                 lay.k_idx if kind == "k" else lay.v_idx,
                 lay.k_val if kind == "k" else lay.v_val,
                 lay.k_scales if kind == "k" else lay.v_scales]
+        D = lay.head_dim
+        none = torch.empty(0)
+        if cl is None:  # QJL's key sketches (cache.blocker(sketches=True)): sketch sizes m, m_o and S^T [D, m]
+            ints = [_QJL, q.m, 1, q.m_o, *offs, 0, 0, 0, 0]
+            per[key] = ([q.S.t().contiguous(), none, torch.zeros(H, D), torch.ones(H, D), torch.ones(H, D),
+                         torch.zeros(H, D), torch.zeros(H, D), none.half(), none, none, none], ints)
+            return per[key]
         if cl.kernel_variant is None:  # scaled integer codes (cache.blocker(scaled=True)): no codebook, raw values
-            D = lay.head_dim
-            none = torch.empty(0)
             if cl.cpu_scaled == "tada":  # + where the head mean's shares sit, channels per share and per scale group
                 ints = [_TADA, 1, cl.code_bits, cl.n_centroids, *offs, 0, lay.k_mean if kind == "k" else lay.v_mean,
                         lay.mean_channels, min(cl.scale_group, D)]
+            elif cl.cpu_scaled == "affine":  # + channels per scale group
+                ints = [_AFFINE, 1, cl.code_bits, cl.n_centroids, *offs, 0, 0, 0, min(cl.scale_group, D)]
             else:  # selective: + the code of 0
                 ints = [_SCALED, 1, cl.code_bits, cl.n_centroids, *offs, q.codec.qmax + 1, 0, 0, 0]
             tensors = [none, none, torch.zeros(H, D), torch.ones(H, D), torch.ones(H, D), torch.zeros(H, D),
@@ -251,23 +262,29 @@ def supports(lc, pages: torch.Tensor | None = None) -> bool:
 _SUPPORT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer cache -> (kernels read, C++ encodes)
 
 
-def _static_support(lc) -> tuple[bool, bool]:
-    """What ``supports`` and ``encodes`` decide from the layer cache alone (a frozen one: decided once)."""
+def _static_support(lc) -> tuple[bool, bool, bool]:
+    """What ``supports``, ``encodes`` and ``gathers`` decide from the layer cache alone (a frozen one: decided once)."""
     have = _SUPPORT.get(lc)
     if have is None:
         D = lc.layout.head_dim
-        # codebook codes and the selective formats' scaled ones, with or without a recent window (lc.blocker: what
-        # the layer cache says these kernels cannot decode)
-        reads = (lc.blocker(scaled=True, window=True) is None
+        # codebook codes, the selective formats', TaDA's and QJL's scaled ones and QJL's key sketches, with or without
+        # a recent window (lc.blocker: what the layer cache says these kernels cannot decode)
+        reads = (lc.blocker(scaled=True, window=True, sketches=True) is None
                  and lc.dtype in (torch.bfloat16, torch.float16, torch.float32) and D % 32 == 0 and D <= 256)
-        have = _SUPPORT[lc] = (reads, reads and lc.kernel_blocker is None)
+        have = _SUPPORT[lc] = (reads, reads and lc.kernel_blocker is None, reads and not lc.k.post_rope)
     return have
+
+
+def gathers(lc, pages: torch.Tensor | None = None) -> bool:
+    """Whether ``gather_kv`` decodes in C++: what the kernels read, except QJL's key sketches - the decode attention
+    scores them; a prefill chunk's attention takes the torch path's surrogate keys (``paged_torch.gather_kv``)."""
+    return supports(lc, pages) and _static_support(lc)[2]
 
 
 def attends(lc) -> bool:
     """Whether a prefill chunk's attention over decoded and exact K/V arrays (``attend_fast``: flash or the C++
-    prefill kernel) serves this layer cache - also where the kernels do not read its pages (QJL: its key sketches
-    are decoded on the torch path, and the chunk then attends to those decoded keys like any format's)."""
+    prefill kernel) serves this layer cache - also where the kernels do not gather its pages (QJL: its key sketches'
+    surrogates are decoded on the torch path, and the chunk then attends to them like to any format's keys)."""
     D = lc.layout.head_dim
     return available() and lc.dtype in (torch.bfloat16, torch.float16, torch.float32) and D % 32 == 0 and D <= 256
 
@@ -345,7 +362,7 @@ def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Te
 def gather_kv(lc, pages: torch.Tensor, block_table: torch.Tensor, n: int, exact=None):
     """The first n cached tokens of one sequence -> (K post-RoPE, V) [n, H, D] in lc.dtype, bit-identical
     to ``paged_torch.gather_kv``; ``exact``: small pages' (region, sink page, ring page) as there."""
-    if not supports(lc, pages):
+    if not gathers(lc, pages):
         return paged_torch.gather_kv(lc, pages, block_table, n, exact=exact)
     H = pages.shape[1]
     cos, sin = rope_tables(lc.rope, max(int(n), 1))[:2]
@@ -634,6 +651,7 @@ def prefill_attention(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, kx: t
 
 _load()
 
-__all__ = ["available", "decode_attention", "encodes", "forward", "gather_kv", "isa", "nearest", "paged_attention",
+__all__ = ["available", "decode_attention", "encodes", "forward", "gather_kv", "gathers", "isa", "nearest",
+           "paged_attention",
            "prefill_attention", "set_isa", "use_flash_prefill",
            "supported_isas", "supports", "write_kv"]
