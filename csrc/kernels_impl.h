@@ -692,6 +692,40 @@ inline void qjl_block(const Codec& K, int D, int g, const float* qr, const float
   }
 }
 
+// QJL's surrogate keys k_hat of one block's 8 tokens, rows dst[t * D + c] (codecs/qjl.py key_surrogate, what the
+// torch path decodes for a prefill chunk's attention): channel c's signed sum of column c of S (S_o on the block's
+// outlier channels) times sqrt(pi/2)/m ||k_in|| (sqrt(pi/2)/m_o ||k_out||), in float32 - in another order than the
+// torch path's matmul, so it may differ from it by float32 rounding (a model-dtype unit where that rounding flips)
+inline void qjl_surrogate_rows(const Codec& K, int D, const uint8_t* blk, float* dst) {
+  const int m = K.chunk, mo = K.kc;
+  const uint8_t* ob = blk + BLOCK * (m / 8);
+  const uint8_t* nb = ob + BLOCK * (mo / 8);
+  const uint8_t* oc = nb + BLOCK * 4;
+  bool outlier[MAX_D] = {};
+  for (int o = 0; o < QJL_OUTLIERS; ++o)
+    if (oc[o] < D) outlier[oc[o]] = true;
+  vi lanebit;
+  for (int i = 0; i < W; ++i) lanebit[i] = 1 << i;
+  const float cin = SQRT_HALF_PI / m, cout = SQRT_HALF_PI / mo;
+  for (int t = 0; t < BLOCK; ++t) {
+    float* x = dst + t * D;
+    for (int c = 0; c < D; c += 4) qjl_dots<4>(K.cent + (int64_t)c * m, m, blk + t * (m / 8), m, lanebit, x + c);
+    uint16_t hn[2];
+    __builtin_memcpy(hn, nb + 4 * t, 4);
+    const float nu = fp16_to_f32(hn[0]), nuo = fp16_to_f32(hn[1]);
+    const float n2 = nu * nu - nuo * nuo;
+    const float ai = cin * (n2 > 0.f ? __builtin_sqrtf(n2) : 0.f), ao = cout * nuo;
+    for (int c = 0; c < D; ++c) {
+      if (outlier[c]) {
+        qjl_dots<1>(K.cent + (int64_t)c * m, m, ob + t * (mo / 8), mo, lanebit, x + c);
+        x[c] = ao * x[c];
+      } else {
+        x[c] = ai * x[c];
+      }
+    }
+  }
+}
+
 // ---- temporal V: accumulate straight from the centroid vectors ---------------------------------
 // A temporal code holds L consecutive tokens of one channel, so the 8 tokens of a block for channel
 // c are 8/L centroid vectors side by side: one 8-lane vector.  acc8[i][c] (lane = token in block)
@@ -1459,7 +1493,11 @@ void gather_block(const GatherArgs& a, int64_t item) {
   alignas(64) float X[BLOCK * MAX_D], tmp[BLOCK * MAX_D], Y[MAX_D];
   for (int kind = 0; kind < 2; ++kind) {
     const Codec& cd = kind ? a.v : a.k;
-    decode_block_at(cd, L, h, rec, slot, X, D, false, tmp, false);
+    if (cd.method == QJL) {  // the surrogate keys, post-RoPE (mean 0, std 1 below: unchanged)
+      qjl_surrogate_rows(cd, D, rec + cd.codes_off + (int64_t)slot * cd.code_bytes, X);
+    } else {
+      decode_block_at(cd, L, h, rec, slot, X, D, false, tmp, false);
+    }
     const float* sd = cd.std + hd;
     const float* mn = cd.mean + hd;
     for (int t = 0; t < BLOCK; ++t)
@@ -1476,7 +1514,7 @@ void gather_block(const GatherArgs& a, int64_t item) {
     void* out = kind ? a.vout : a.kout;
     for (int t = 0; t < BLOCK; ++t) {
       float* x = X + t * D;
-      if (kind == 0) {  // x * cos + rotate_half(x) * sin, as Rope.apply
+      if (kind == 0 && cd.method != QJL) {  // x * cos + rotate_half(x) * sin, as Rope.apply
         const float* C = a.cos + (tok0 + t) * HD;  // cos/sin of channel c + D/2 equal those of c
         const float* Sn = a.sin + (tok0 + t) * HD;
         for (int c = 0; c < HD; c += W) {

@@ -331,8 +331,6 @@ std::vector<at::Tensor> gather(const at::Tensor& pages, const at::Tensor& block_
   check_table(block_table, "block_table");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
-  TORCH_CHECK(a.k.method != QJL, "QJL keys are sketches: the decode attention scores them, gather them on the "
-              "torch path (ops.paged_torch.gather_kv)");
   TORCH_CHECK(block_table.dim() == 1 && block_table.is_contiguous(), "block_table: one contiguous row");
   const int64_t H = a.lay.H, D = a.lay.D, bs = a.lay.block_size;
   TORCH_CHECK(n >= 0 && n <= block_table.numel() * bs, "n exceeds the block table");

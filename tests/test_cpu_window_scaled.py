@@ -71,7 +71,7 @@ def test_the_cpu_path_serves_them():
     qjl = LayerCache.build("qjl", 1, head_dim=64, block_size=256, dtype=torch.bfloat16, rope=None, num_kv_heads=2)
     mod, name = ops.select(qjl, torch.device("cpu"))
     assert mod is cpu and "cache update in torch" in name, name  # QJL: the decode scores its key sketches
-    assert not cpu.encodes(qjl) and not cpu.gathers(qjl)  # (a prefill chunk attends to the torch path's surrogates)
+    assert not cpu.encodes(qjl)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -186,7 +186,7 @@ def test_qjl_decode_scores_the_sketches(case):
     fmt, D, dtype, window, bs, layer = case
     H, GQ = 2, 3
     lc = make_cache(fmt, D, False, dtype, layer, H=H, GQ=GQ, block_size=bs, window=window)
-    assert cpu.supports(lc) and not cpu.gathers(lc)
+    assert cpu.supports(lc)
     pages, tables, kv = _write_prefix(lc, LENS, H, D, seed=2)
     g = torch.Generator().manual_seed(3)
     R = len(LENS)
@@ -210,6 +210,35 @@ def test_qjl_decode_scores_the_sketches(case):
                     assert err <= _tol(dtype, ref), (isa, split_tiles, exact, err)
                     if dtype == torch.float32:
                         assert (out.double() - want64).abs().max() <= 1e-5 * max(1.0, want64.abs().max().item())
+    finally:
+        cpu.set_isa(before)
+
+
+@pytest.mark.parametrize("case", QJL_CASES, ids=QJL_IDS)
+def test_qjl_gather_decodes_the_surrogate_keys(case):
+    """A prefill chunk's context from QJL's pages in C++: the values bit for bit the torch path's, the keys its
+    surrogates k_hat summed in another order - equal to the torch path's but where float32 rounding moved a value
+    across a model-dtype rounding boundary (at most one unit there; float32: float32 rounding), on every ISA."""
+    fmt, D, dtype, window, bs, layer = case
+    H = 2
+    lc = make_cache(fmt, D, False, dtype, layer, H=H, GQ=3, block_size=bs, window=window)
+    pages, tables, _ = _write_prefix(lc, LENS, H, D, seed=1)
+    # a model-dtype unit (float32: the rounding of m + m_o signed terms)
+    unit = {torch.float32: 2.0 ** -16, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
+    before = cpu.isa()
+    try:
+        for isa in cpu.supported_isas():
+            cpu.set_isa(isa)
+            same = total = 0
+            for r, n in enumerate(LENS):
+                K, V = cpu.gather_kv(lc, pages, tables[r], n - 1)
+                EK, EV = paged_torch.gather_kv(lc, pages, tables[r], n - 1)
+                assert torch.equal(V, EV), (isa, r)
+                d = (K.float() - EK.float()).abs()
+                assert (d <= unit * EK.float().abs().clamp_min(1.0)).all(), (isa, r, d.max().item())
+                same, total = same + int((K == EK).sum()), total + K.numel()
+            if dtype != torch.float32:
+                assert same >= 0.98 * total, (isa, same, total)  # rounding flips, not another key
     finally:
         cpu.set_isa(before)
 

@@ -299,7 +299,7 @@ class QJLKeyQuantizer(BaseQuantizer):
     product with a query is QJL's estimate.  ``fake_quant`` (the quality harness: pre-RoPE keys of one sequence
     from position 0) rotates, runs the served semantics and rotates the surrogate back.  Sketches, not codes of a
     layout (``code_layout`` None): the C++ decode attention scores them in place (csrc method QJL, the same
-    estimator without forming k_hat); the torch path and the prefill's gather decode k_hat; no Triton kernel."""
+    estimator without forming k_hat); the C++ gather decodes k_hat for a prefill chunk; no Triton kernel."""
 
     post_rope = True
     packs_blocks = True

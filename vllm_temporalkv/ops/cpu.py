@@ -16,7 +16,7 @@ Ops (each the twin of the torch path in ``paged_torch``, which stays the oracle)
   outlier channels' share once per block, two signed sums per key; float32 rounding away from the torch path's
   surrogate keys, which it rounds to the model dtype), values decoded from their 2-bit codes, scale and min.
 * ``gather_kv(lc, pages, block_table, n)``: the first n cached tokens -> (K post-RoPE, V), bit-identical
-  to ``paged_torch.gather_kv`` (QJL's keys: the torch path's, ``gathers``).
+  to ``paged_torch.gather_kv`` (QJL's keys: its surrogates, to float32 rounding).
 * ``write_kv(lc, pages, key, value, positions, page_ids)``: cache update, bit-identical pages to
   ``paged_torch.write_kv`` (exhaustive nearest-centroid search under the codec contract).
 * ``nearest(vecs, centroids)``: the codec contract's argmin (registered for "cpu" tensors on load).
@@ -262,8 +262,8 @@ def supports(lc, pages: torch.Tensor | None = None) -> bool:
 _SUPPORT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer cache -> (kernels read, C++ encodes)
 
 
-def _static_support(lc) -> tuple[bool, bool, bool]:
-    """What ``supports``, ``encodes`` and ``gathers`` decide from the layer cache alone (a frozen one: decided once)."""
+def _static_support(lc) -> tuple[bool, bool]:
+    """What ``supports`` and ``encodes`` decide from the layer cache alone (a frozen one: decided once)."""
     have = _SUPPORT.get(lc)
     if have is None:
         D = lc.layout.head_dim
@@ -271,20 +271,14 @@ def _static_support(lc) -> tuple[bool, bool, bool]:
         # a recent window (lc.blocker: what the layer cache says these kernels cannot decode)
         reads = (lc.blocker(scaled=True, window=True, sketches=True) is None
                  and lc.dtype in (torch.bfloat16, torch.float16, torch.float32) and D % 32 == 0 and D <= 256)
-        have = _SUPPORT[lc] = (reads, reads and lc.kernel_blocker is None, reads and not lc.k.post_rope)
+        have = _SUPPORT[lc] = (reads, reads and lc.kernel_blocker is None)
     return have
-
-
-def gathers(lc, pages: torch.Tensor | None = None) -> bool:
-    """Whether ``gather_kv`` decodes in C++: what the kernels read, except QJL's key sketches - the decode attention
-    scores them; a prefill chunk's attention takes the torch path's surrogate keys (``paged_torch.gather_kv``)."""
-    return supports(lc, pages) and _static_support(lc)[2]
 
 
 def attends(lc) -> bool:
     """Whether a prefill chunk's attention over decoded and exact K/V arrays (``attend_fast``: flash or the C++
-    prefill kernel) serves this layer cache - also where the kernels do not gather its pages (QJL: its key sketches'
-    surrogates are decoded on the torch path, and the chunk then attends to them like to any format's keys)."""
+    prefill kernel) serves this layer cache (QJL: its keys' surrogates k_hat, the chunk attends to them like to any
+    format's decoded keys)."""
     D = lc.layout.head_dim
     return available() and lc.dtype in (torch.bfloat16, torch.float16, torch.float32) and D % 32 == 0 and D <= 256
 
@@ -361,8 +355,9 @@ def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Te
 @torch.no_grad()
 def gather_kv(lc, pages: torch.Tensor, block_table: torch.Tensor, n: int, exact=None):
     """The first n cached tokens of one sequence -> (K post-RoPE, V) [n, H, D] in lc.dtype, bit-identical
-    to ``paged_torch.gather_kv``; ``exact``: small pages' (region, sink page, ring page) as there."""
-    if not gathers(lc, pages):
+    to ``paged_torch.gather_kv`` (QJL's keys: its surrogates k_hat summed in another order, within float32 rounding
+    of the torch path's before the model dtype's); ``exact``: small pages' (region, sink page, ring page) as there."""
+    if not supports(lc, pages):
         return paged_torch.gather_kv(lc, pages, block_table, n, exact=exact)
     H = pages.shape[1]
     cos, sin = rope_tables(lc.rope, max(int(n), 1))[:2]
@@ -651,7 +646,6 @@ def prefill_attention(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, kx: t
 
 _load()
 
-__all__ = ["available", "decode_attention", "encodes", "forward", "gather_kv", "gathers", "isa", "nearest",
-           "paged_attention",
+__all__ = ["available", "decode_attention", "encodes", "forward", "gather_kv", "isa", "nearest", "paged_attention",
            "prefill_attention", "set_isa", "use_flash_prefill",
            "supported_isas", "supports", "write_kv"]
