@@ -614,12 +614,12 @@ inline void qk_tile_any(const float* qr, int g, int D, const float* KT, float* s
 // another order than the torch path's matmuls: the scores agree to float32 rounding, not bit for bit.
 constexpr float SQRT_HALF_PI = 1.2533141373155003f;  // sqrt(pi / 2)
 
-// the W signs (+1 / -1) of sketch rows j0 .. j0 + W - 1 of a packed sign row (lanebit: 1 << lane)
-inline vf qjl_signs(const uint8_t* row, int j0, vi lanebit) {
+// pos where sketch rows j0 .. j0 + W - 1 of a packed sign row are positive, else neg (lanebit: 1 << lane)
+inline vf qjl_signs(const uint8_t* row, int j0, vi lanebit, vf pos, vf neg) {
   uint32_t w = 0;
   __builtin_memcpy(&w, row + j0 / 8, W >= 8 ? W / 8 : 1);
   if (W < 8) w >>= j0 % 8;
-  return ((vi{} + (int32_t)w) & lanebit) != 0 ? vbc(1.f) : vbc(-1.f);
+  return ((vi{} + (int32_t)w) & lanebit) != 0 ? pos : neg;
 }
 
 // out[i] = <s + i * ss, the signs of row> over n sketch rows, GB query heads (each row's signs built once)
@@ -627,22 +627,31 @@ template <int GB>
 inline void qjl_dots(const float* s, int ss, const uint8_t* row, int n, vi lanebit, float* out) {
   vf acc[GB];
   for (int i = 0; i < GB; ++i) acc[i] = vf{};
+  const vf one = vbc(1.f), mone = vbc(-1.f);
   for (int j = 0; j < n; j += W) {
-    const vf sg = qjl_signs(row, j, lanebit);
+    const vf sg = qjl_signs(row, j, lanebit, one, mone);
     for (int i = 0; i < GB; ++i) acc[i] = vfma(vload(s + i * ss + j), sg, acc[i]);
   }
   for (int i = 0; i < GB; ++i) out[i] = hsum(acc[i]);
 }
 
-inline void qjl_dots_any(const float* s, int ss, int g, const uint8_t* row, int n, vi lanebit, float* out) {
-  int i = 0;
-  for (; i + 4 <= g; i += 4) qjl_dots<4>(s + i * ss, ss, row, n, lanebit, out + i);
-  switch (g - i) {
-    case 3: qjl_dots<3>(s + i * ss, ss, row, n, lanebit, out + i); break;
-    case 2: qjl_dots<2>(s + i * ss, ss, row, n, lanebit, out + i); break;
-    case 1: qjl_dots<1>(s + i * ss, ss, row, n, lanebit, out + i); break;
-    default: break;
+// the scores out[i * DTILE] = ai <s_i[:m], signs of rin> + ao <s_i[m:m + mo], signs of rout> of one key for GB query
+// heads (s_i = s + i * ss): the signs carry the token's factors, so each score is one sum (one horizontal add)
+template <int GB>
+inline void qjl_scores(const float* s, int ss, int m, int mo, const uint8_t* rin, const uint8_t* rout, float ai,
+                       float ao, vi lanebit, float* out) {
+  vf acc[GB];
+  for (int i = 0; i < GB; ++i) acc[i] = vf{};
+  const vf pi = vbc(ai), ni = vbc(-ai), po = vbc(ao), no = vbc(-ao);
+  for (int j = 0; j < m; j += W) {
+    const vf sg = qjl_signs(rin, j, lanebit, pi, ni);
+    for (int i = 0; i < GB; ++i) acc[i] = vfma(vload(s + i * ss + j), sg, acc[i]);
   }
+  for (int j = 0; j < mo; j += W) {
+    const vf sg = qjl_signs(rout, j, lanebit, po, no);
+    for (int i = 0; i < GB; ++i) acc[i] = vfma(vload(s + i * ss + m + j), sg, acc[i]);
+  }
+  for (int i = 0; i < GB; ++i) out[i * DTILE] = hsum(acc[i]);
 }
 
 // Sq[i] = S qr[i] ([g][m]) from S^T [D][m]
@@ -657,7 +666,7 @@ inline void qjl_sketch_queries(const Codec& K, int D, int g, const float* qr, fl
 }
 
 // the scores sc[i * DTILE + c0 + t] of one block's 8 keys (blk) for g query heads qr (already scaled), Sq = S qr;
-// sb: scratch of g * (m + m_o) + 2 * g floats
+// sb: scratch of g * (m + m_o) floats
 inline void qjl_block(const Codec& K, int D, int g, const float* qr, const float* Sq, const uint8_t* blk, float* sb,
                       float* sc, int c0, vi lanebit) {
   const int m = K.chunk, mo = K.kc, ms = m + mo;
@@ -677,18 +686,24 @@ inline void qjl_block(const Codec& K, int D, int g, const float* qr, const float
       if (j < mo) vstore(si + m + j, u);
     }
   }
-  float* din = sb + g * ms;
-  float* dout = din + g;
   const float cin = SQRT_HALF_PI / m, cout = SQRT_HALF_PI / mo;
   for (int t = 0; t < BLOCK; ++t) {
-    qjl_dots_any(sb, ms, g, blk + t * (m / 8), m, lanebit, din);
-    qjl_dots_any(sb + m, ms, g, ob + t * (mo / 8), mo, lanebit, dout);
     uint16_t hn[2];
     __builtin_memcpy(hn, nb + 4 * t, 4);
     const float nu = fp16_to_f32(hn[0]), nuo = fp16_to_f32(hn[1]);
     const float n2 = nu * nu - nuo * nuo;
     const float ai = cin * (n2 > 0.f ? __builtin_sqrtf(n2) : 0.f), ao = cout * nuo;
-    for (int i = 0; i < g; ++i) sc[i * DTILE + c0 + t] = ai * din[i] + ao * dout[i];
+    const uint8_t* rin = blk + t * (m / 8);
+    const uint8_t* rout = ob + t * (mo / 8);
+    float* o = sc + c0 + t;
+    int i = 0;
+    for (; i + 4 <= g; i += 4) qjl_scores<4>(sb + i * ms, ms, m, mo, rin, rout, ai, ao, lanebit, o + i * DTILE);
+    switch (g - i) {
+      case 3: qjl_scores<3>(sb + i * ms, ms, m, mo, rin, rout, ai, ao, lanebit, o + i * DTILE); break;
+      case 2: qjl_scores<2>(sb + i * ms, ms, m, mo, rin, rout, ai, ao, lanebit, o + i * DTILE); break;
+      case 1: qjl_scores<1>(sb + i * ms, ms, m, mo, rin, rout, ai, ao, lanebit, o + i * DTILE); break;
+      default: break;
+    }
   }
 }
 
@@ -1076,7 +1091,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
   float* qsb = nullptr;
   vi lanebit = vi{} + 1;
   if (qjl_k) {
-    Sq = static_cast<float*>(__builtin_alloca(sizeof(float) * (g * a.k.chunk + g * (a.k.chunk + a.k.kc) + 2 * g)));
+    Sq = static_cast<float*>(__builtin_alloca(sizeof(float) * (g * a.k.chunk + g * (a.k.chunk + a.k.kc))));
     qsb = Sq + g * a.k.chunk;
     for (int i = 0; i < W; ++i) lanebit[i] = 1 << i;
     qjl_sketch_queries(a.k, D, g, qr, Sq);
