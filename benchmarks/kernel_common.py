@@ -52,6 +52,11 @@ def make_layer_cache(shape: str, fmt_name: str, dtype, block_size: int, hybrid_k
     cfg = types.SimpleNamespace(architectures=["LlamaForCausalLM"], num_hidden_layers=1, num_attention_heads=sh["hq"],
                                 num_key_value_heads=H, head_dim=D, hidden_size=sh["hq"] * D, vocab_size=1,
                                 rope_parameters={"rope_type": "default", "rope_theta": sh["theta"]})
+    if not fmt.needs_calibration:  # selective, TaDA, QJL: no artifact; layer 0 (QJL: the first layers' larger sketch)
+        if outliers:
+            raise ValueError(f"{base} keeps no outliers (no '-o1')")
+        return LayerCache.build(base, 0, head_dim=D, block_size=block_size, dtype=dtype, rope=Rope(cfg, device),
+                                num_kv_heads=H, device=device)
     parts = fmt.calibrated_formats
     books = {(0, kv, key): torch.randn(make_codec(*parse_codebook_key(key)).codebook_shape(H, D), generator=g).half()
              for key in codebook_keys(parts) for kv in "kv"}
@@ -69,12 +74,16 @@ def make_layer_cache(shape: str, fmt_name: str, dtype, block_size: int, hybrid_k
 def fill_pages(lc, B: int, L: int, H: int, D: int, device):
     """Pages of B requests x L tokens, as a served cache would hold them: random code bytes (every
     byte is a valid code of every format), finite random half values in the sinks/tail region,
-    distinct in-range outlier positions; pages scattered by a random block table."""
+    distinct in-range outlier positions; pages scattered by a random block table.  The calibration-free formats
+    (fp16 scales, head means, QJL's norms and channel indices: random bytes would be NaNs and channels past the
+    head) are written by their encoder from random K/V instead."""
     from vllm_temporalkv.page_views import outlier_views, region_view
 
     lay = lc.layout
     per = -(-L // lay.block_size)
     n = B * per
+    if not lay.fmt.needs_calibration:
+        return _encoded_pages(lc, B, L, H, D, per, device)
     pages = torch.randint(0, 256, (n, H, lay.bytes), dtype=torch.uint8, device=device)
     region = region_view(lay, pages, lc.store_dtype)
     region.copy_(torch.randn(region.shape, dtype=lc.dtype, device=device))
@@ -86,6 +95,23 @@ def fill_pages(lc, B: int, L: int, H: int, D: int, device):
             idx.copy_((start + torch.arange(lay.cap, device=device) * stride).to(torch.int16))
             val.copy_(torch.randn(val.shape, dtype=lc.dtype, device=device) * 4)
     bt = torch.randperm(n, device=device).reshape(B, per).to(torch.int32)
+    return pages, bt
+
+
+def _encoded_pages(lc, B: int, L: int, H: int, D: int, per: int, device):
+    """fill_pages for the calibration-free formats: each request's L random K/V tokens written by the torch path."""
+    from vllm_temporalkv.ops import paged_torch
+
+    pages = torch.zeros(B * per, H, lc.layout.bytes, dtype=torch.uint8, device=device)
+    bt = torch.randperm(B * per, device=device).reshape(B, per).to(torch.int32)
+    for r in range(B):  # one request at a time: QJL's projections of a long request are large
+        k = (torch.randn(L, H, D, device=device) * 2).to(lc.dtype)
+        v = torch.randn(L, H, D, device=device).to(lc.dtype)
+        if lc.layout.window:
+            paged_torch.write_kv_window(lc, pages, k, v, torch.tensor([0, L]), torch.tensor([L]), bt[r:r + 1].long())
+        else:
+            pos = torch.arange(L, device=device)
+            paged_torch.write_kv(lc, pages, k, v, pos, bt[r].long()[pos // lc.block_size])
     return pages, bt
 
 

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from vllm_temporalkv.layout import exact_from
 from vllm_temporalkv.ops import cpu as cpu_ops
 from vllm_temporalkv.ops import paged_torch
 
@@ -25,22 +26,38 @@ def compressed_bytes(lc, B: int, L: int, H: int, HQ: int, Q: int = 1) -> dict:
     lay = lc.layout
     D, half = lay.head_dim, 2
     ctx = L - Q
-    cend = ctx // BLOCK * BLOCK
+    cend = exact_from(ctx, lay.window) if ctx >= SINKS else 0  # a recent window's tokens stay exact too
     blocks = max(0, cend - SINKS) // BLOCK
     exact = min(SINKS, ctx) + (ctx - cend if ctx >= SINKS else 0)
     tile = cpu_ops.DECODE_TILE  # the decode kernel's tile (its rope tables)
     parts = {
-        "codes": B * blocks * H * 2 * lay.code_bytes,
+        "codes": B * blocks * H * block_code_bytes(lay),
         "outliers": B * blocks * H * 2 * lay.cap * 4,  # int16 position + half value
         "region": B * exact * H * 2 * D * half,
         "new_kv_q": B * Q * (2 * H + HQ) * D * half,
         "block_table": B * -(-L // lay.block_size) * 4,
-        "centroids": sum(q.codec.centroids.numel() for q in (lc.k, lc.v)) * 2,  # the kernel's fp16 tables
+        "centroids": sum(table_bytes(q) for q in (lc.k, lc.v)),  # the kernel's tables
         "stats": 2 * 5 * H * D * 4,  # mean, std, 1/std, lo, hi per K/V
         "rope": (-(-L // tile) * D + D * tile) * 4,  # cos+sin at tile starts (D/2 each) and offsets
     }
     parts["total"] = sum(parts.values())
     return parts
+
+
+def block_code_bytes(lay) -> int:
+    """K + V bytes of one encoded block of one KV head: codes, and the scaled formats' fp16 scales (and TaDA's share
+    of the head mean); QJL's keys: their sketch bytes."""
+    rows = BLOCK * (lay.kind_scales_per_row["k"] + lay.kind_scales_per_row["v"]) * 2
+    return lay.kind_code_bytes["k"] + lay.kind_code_bytes["v"] + rows + 2 * lay.mean_bytes
+
+
+def table_bytes(q) -> int:
+    """The decode kernel's lookup tables of one quantizer: fp16 centroids, QJL's float32 S^T, none for scaled codes."""
+    centroids = getattr(getattr(q, "codec", None), "centroids", None)
+    if centroids is not None:
+        return centroids.numel() * 2
+    S = getattr(q, "S", None)
+    return S.numel() * 4 if S is not None else 0
 
 
 # ---- one configuration -------------------------------------------------------------------------------
@@ -144,7 +161,7 @@ def bench_format(a, lc, shape: str, fmt: str, B: int, L: int, Q: int, timer, bas
         speedup_vs_sdpa=_ratio(sms, ms),
         bytes_read=parts["total"], bytes_breakdown=parts,
         bytes_per_token=parts["total"] / (B * L),  # per cached token and layer, everything included
-        code_bytes_per_token=2 * H * lay.code_bytes / BLOCK,  # asymptotic: codes (K and V) only
+        code_bytes_per_token=H * block_code_bytes(lay) / BLOCK,  # asymptotic: codes (K and V) only
         dense_bytes_per_token=2 * H * D * dtype.itemsize,
         dense_bytes=base["dense_bytes"], cpp_gbps=gbps, vllm_gbps=vgbps,
         cpp_bw_fraction=gbps / bw["copy_gbps"], vllm_bw_fraction=vgbps and vgbps / bw["copy_gbps"],
