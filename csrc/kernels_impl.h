@@ -616,10 +616,29 @@ constexpr float SQRT_HALF_PI = 1.2533141373155003f;  // sqrt(pi / 2)
 
 // pos where sketch rows j0 .. j0 + W - 1 of a packed sign row are positive, else neg (lanebit: 1 << lane)
 inline vf qjl_signs(const uint8_t* row, int j0, vi lanebit, vf pos, vf neg) {
+#if TKV_W == 16
+  // AVX-512: the 16 sign bits are the blend's mask register as they lie (no broadcast, and, compare)
+  uint16_t m;
+  __builtin_memcpy(&m, row + j0 / 8, 2);
+  return (vf)_mm512_mask_blend_ps((__mmask16)m, (__m512)neg, (__m512)pos);
+#endif
   uint32_t w = 0;
   __builtin_memcpy(&w, row + j0 / 8, W >= 8 ? W / 8 : 1);
   if (W < 8) w >>= j0 % 8;
   return ((vi{} + (int32_t)w) & lanebit) != 0 ? pos : neg;
+}
+
+// a sum in any order (QJL's scores promise float32 rounding, not an order): a tree, not hsum's sequence
+inline float hsum_any(vf v) {
+#if TKV_W == 16
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  float t[W];
+  __builtin_memcpy(t, &v, sizeof v);
+  for (int w = W / 2; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) t[i] += t[i + w];
+  return t[0];
+#endif
 }
 
 // out[i] = <s + i * ss, the signs of row> over n sketch rows, GB query heads (each row's signs built once)
@@ -632,7 +651,7 @@ inline void qjl_dots(const float* s, int ss, const uint8_t* row, int n, vi laneb
     const vf sg = qjl_signs(row, j, lanebit, one, mone);
     for (int i = 0; i < GB; ++i) acc[i] = vfma(vload(s + i * ss + j), sg, acc[i]);
   }
-  for (int i = 0; i < GB; ++i) out[i] = hsum(acc[i]);
+  for (int i = 0; i < GB; ++i) out[i] = hsum_any(acc[i]);
 }
 
 // the scores out[i * DTILE] = ai <s_i[:m], signs of rin> + ao <s_i[m:m + mo], signs of rout> of one key for GB query
@@ -651,7 +670,7 @@ inline void qjl_scores(const float* s, int ss, int m, int mo, const uint8_t* rin
     const vf sg = qjl_signs(rout, j, lanebit, po, no);
     for (int i = 0; i < GB; ++i) acc[i] = vfma(vload(s + i * ss + m + j), sg, acc[i]);
   }
-  for (int i = 0; i < GB; ++i) out[i * DTILE] = hsum(acc[i]);
+  for (int i = 0; i < GB; ++i) out[i * DTILE] = hsum_any(acc[i]);
 }
 
 // Sq[i] = S qr[i] ([g][m]) from S^T [D][m]
@@ -673,17 +692,31 @@ inline void qjl_block(const Codec& K, int D, int g, const float* qr, const float
   const uint8_t* ob = blk + BLOCK * (m / 8);  // the outlier sketches' signs
   const uint8_t* nb = ob + BLOCK * (mo / 8);  // the norms
   const uint8_t* oc = nb + BLOCK * 4;         // the outlier channels
-  int cs[QJL_OUTLIERS], no = 0;
-  for (int o = 0; o < QJL_OUTLIERS; ++o)
-    if (oc[o] < D) cs[no++] = oc[o];  // (written blocks name distinct channels < D; other bytes are not read past S)
+  // the outlier channels' columns of S (written blocks name distinct channels < D; another byte reads column 0 with
+  // a zero coefficient), 8 of them always: a fixed trip count, two chains of multiply-adds per pair of vectors
+  const float* col[QJL_OUTLIERS];
+  for (int o = 0; o < QJL_OUTLIERS; ++o) col[o] = K.cent + (int64_t)(oc[o] < D ? oc[o] : 0) * m;
   for (int i = 0; i < g; ++i) {  // s_in = S q - S q_M (first m), s_out = S_o q_M (next m_o)
     float* si = sb + i * ms;
     const float* qi = qr + i * D;
-    for (int j = 0; j < m; j += W) {
-      vf u = vf{};
-      for (int o = 0; o < no; ++o) u = vfma(vbc(qi[cs[o]]), vload(K.cent + (int64_t)cs[o] * m + j), u);
-      vstore(si + j, vload(Sq + i * m + j) - u);
-      if (j < mo) vstore(si + m + j, u);
+    float qv[QJL_OUTLIERS];
+    for (int o = 0; o < QJL_OUTLIERS; ++o) qv[o] = oc[o] < D ? qi[oc[o]] : 0.f;
+    for (int j = 0; j < m; j += 2 * W) {  // (m, m_o: multiples of 32)
+      vf a0 = vf{}, a1 = vf{}, b0 = vf{}, b1 = vf{};
+      for (int o = 0; o < QJL_OUTLIERS; o += 2) {
+        const vf x = vbc(qv[o]), y = vbc(qv[o + 1]);
+        a0 = vfma(x, vload(col[o] + j), a0);
+        a1 = vfma(x, vload(col[o] + j + W), a1);
+        b0 = vfma(y, vload(col[o + 1] + j), b0);
+        b1 = vfma(y, vload(col[o + 1] + j + W), b1);
+      }
+      const vf u0 = a0 + b0, u1 = a1 + b1;
+      vstore(si + j, vload(Sq + i * m + j) - u0);
+      vstore(si + j + W, vload(Sq + i * m + j + W) - u1);
+      if (j < mo) {
+        vstore(si + m + j, u0);
+        vstore(si + m + j + W, u1);
+      }
     }
   }
   const float cin = SQRT_HALF_PI / m, cout = SQRT_HALF_PI / mo;
