@@ -60,6 +60,29 @@ def test_kernels_cpu_smoke(tmp_path):
     assert (HEADLINE.read_bytes() if HEADLINE.is_file() else None) == before
 
 
+def test_kernels_cpu_smoke_calibration_free_formats(tmp_path):
+    """selective, TaDA and QJL through the kernel benchmark (no artifact; pages written by their encoder, where random
+    bytes would be NaN scales and channels past the head): each checked against the torch path before it is timed,
+    its encoded blocks counted with their scales / head-mean shares / sketches."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.kernels_cpu", "--smoke", "--out", str(out), "--formats",
+                        "selective-int4", "tada-4bit", "qjl", "--context", "400", "--block-size", "256",
+                        "--prefill", "none", "--batch", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = json.loads(next(out.glob("kernels-cpu*.json")).read_text())
+    rows = {x["format"]: x for x in rep["rows"]}
+    assert set(rows) == {"selective-int4", "tada-4bit", "qjl"}
+    for f, x in rows.items():
+        assert x["check_ok"] and x["max_abs_err"] <= x["tol"], x  # C++ vs the torch path, on encoded blocks
+        assert x["bytes_breakdown"]["codes"] > 0 and x["code_bytes_per_token"] < x["dense_bytes_per_token"], f
+    # selective-int4: 4-bit codes + one fp16 scale per token, K and V; TaDA adds its share of the head mean
+    D, H = 64, 3
+    assert rows["selective-int4"]["code_bytes_per_token"] == H * 2 * (D // 2 + 2)
+    assert rows["tada-4bit"]["code_bytes_per_token"] > rows["selective-int4"]["code_bytes_per_token"]
+
+
 def test_kernels_cpu_smoke_never_writes_results():
     r = subprocess.run([sys.executable, "-m", "benchmarks.kernels_cpu", "--smoke", "--out",
                         str(ROOT / "benchmarks" / "results")], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
