@@ -135,12 +135,9 @@ def test_tada_head_mean_shares_with_a_remainder():
         cpu.set_isa(before)
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_decode_matches_reference(case):
-    """Both decodes (exact, fast), two splittings, on every ISA variant, against the torch path (references computed
-    once: they dominate the cost)."""
-    H, GQ, D = 2, 3, case[1]
-    lc = _cache(case, H=H, GQ=GQ)
+def _decode_case(lc, H, GQ, D):
+    """A decode step of every LENS request over pages the torch path wrote: the inputs, the torch path's output and
+    the float64 oracle's (computed once: they dominate the cost)."""
     pages, tables, kv = _write_prefix(lc, LENS, H, D, seed=2)
     g = torch.Generator().manual_seed(3)
     R = len(LENS)
@@ -152,6 +149,17 @@ def test_decode_matches_reference(case):
                                       batch_invariant=False)
     want64 = paged_torch.paged_attention(lc, pages, q, key, val, torch.arange(R + 1), sl, tables, scale,
                                          out=torch.empty(R, H * GQ, D, dtype=torch.float64), batch_invariant=True)
+    return pages, tables, q, key, val, sl, scale, ref, want64
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_decode_matches_reference(case):
+    """Both decodes (exact, fast), two splittings, on every ISA variant, against the torch path (references computed
+    once: they dominate the cost)."""
+    H, GQ, D = 2, 3, case[1]
+    lc = _cache(case, H=H, GQ=GQ)
+    pages, tables, q, key, val, sl, scale, ref, want64 = _decode_case(lc, H, GQ, D)
+    R = len(LENS)
     before = cpu.isa()
     try:
         for isa in cpu.supported_isas():
@@ -187,17 +195,7 @@ def test_qjl_decode_scores_the_sketches(case):
     H, GQ = 2, 3
     lc = make_cache(fmt, D, False, dtype, layer, H=H, GQ=GQ, block_size=bs, window=window)
     assert cpu.supports(lc)
-    pages, tables, kv = _write_prefix(lc, LENS, H, D, seed=2)
-    g = torch.Generator().manual_seed(3)
-    R = len(LENS)
-    q = torch.randn(R, H * GQ, D, generator=g).to(dtype)
-    key = torch.stack([k[-1] for k, _ in kv]).to(dtype)
-    val = torch.stack([v[-1] for _, v in kv]).to(dtype)
-    sl, scale = torch.tensor(LENS), D ** -0.5
-    ref = paged_torch.paged_attention(lc, pages, q, key, val, torch.arange(R + 1), sl, tables, scale,
-                                      batch_invariant=False)
-    want64 = paged_torch.paged_attention(lc, pages, q, key, val, torch.arange(R + 1), sl, tables, scale,
-                                         out=torch.empty(R, H * GQ, D, dtype=torch.float64), batch_invariant=True)
+    pages, tables, q, key, val, sl, scale, ref, want64 = _decode_case(lc, H, GQ, D)
     before = cpu.isa()
     try:
         for isa in cpu.supported_isas():
