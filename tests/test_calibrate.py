@@ -348,3 +348,28 @@ def test_tada_layer_bits_search(smollm2_dir):
     assert 2 + 16 / 3 < sim.bits(2048)["total"] < 16
     with pytest.raises(ValueError, match="per-layer bits"):
         SeedSimulator("tada-mixed-3bit", cfg, torch.bfloat16)
+
+
+def test_fp8_simulation_is_vllms_fp8_cache(smollm2_dir):
+    """vLLM's --kv-cache-dtype fp8 in the quality harness: every value, and every key after RoPE at its position, on
+    the float8 e4m3 grid (the hook hands keys back pre-RoPE), nothing exact, 8 bits per float; a key rounded before
+    RoPE instead would sit off that grid."""
+    from transformers import AutoConfig
+
+    from vllm_temporalkv.harness.seeds import SeedSimulator, e4m3
+    from vllm_temporalkv.rope import Rope
+
+    cfg = AutoConfig.from_pretrained(smollm2_dir)
+    sim = SeedSimulator("fp8", cfg, torch.bfloat16)
+    assert sim.bits(2048) == {"k": 8.0, "v": 8.0, "total": 8.0}
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 40, 3, 64, generator=g) * 3, torch.randn(1, 40, 3, 64, generator=g)
+    vq = sim(0, "v", v)
+    assert torch.equal(vq, e4m3(v.bfloat16())) and not torch.equal(vq, v.bfloat16().float())
+    pos = torch.arange(40)
+    rope = Rope(cfg)
+    post = rope.apply(sim(0, "k", k)[0], pos)  # what attention sees
+    want = e4m3(rope.apply(k[0].bfloat16(), pos).bfloat16())
+    assert (post - want).abs().max() <= 1e-5 * want.abs().max()  # the rotation there and back: float32 rounding
+    pre = rope.apply(e4m3(k[0].bfloat16()), pos)
+    assert (pre - want).abs().max() > 1e-2  # rounding before RoPE is another cache
