@@ -684,14 +684,41 @@ inline void qjl_sketch_queries(const Codec& K, int D, int g, const float* qr, fl
     }
 }
 
+// lane i's bit of a sign row's W-bit slice (qjl_signs' mask off AVX-512)
+inline vi lane_bits() {
+  vi b;
+  for (int i = 0; i < W; ++i) b[i] = 1 << i;
+  return b;
+}
+
+// where a QJL block's parts start (the layout in the comment above) and a token's two score factors
+// sqrt(pi/2)/m ||k_in|| and sqrt(pi/2)/m_o ||k_out||
+struct QjlBlock {
+  const uint8_t* in;   // [8][m / 8] sign bits of S k_in
+  const uint8_t* out;  // [8][m_o / 8] sign bits of S_o k_out
+  const uint8_t* nrm;  // [8][2] fp16 ||k||, ||k_out||
+  const uint8_t* oc;   // [8] outlier channels
+  int m, mo;
+  QjlBlock(const Codec& K, const uint8_t* blk)
+      : in(blk), out(blk + BLOCK * (K.chunk / 8)), nrm(out + BLOCK * (K.kc / 8)), oc(nrm + BLOCK * 4),
+        m(K.chunk), mo(K.kc) {}
+  void factors(int t, float* ai, float* ao) const {
+    uint16_t hn[2];
+    __builtin_memcpy(hn, nrm + 4 * t, 4);
+    const float nu = fp16_to_f32(hn[0]), nuo = fp16_to_f32(hn[1]);
+    const float n2 = nu * nu - nuo * nuo;
+    *ai = SQRT_HALF_PI / m * (n2 > 0.f ? __builtin_sqrtf(n2) : 0.f);
+    *ao = SQRT_HALF_PI / mo * nuo;
+  }
+};
+
 // the scores sc[i * DTILE + c0 + t] of one block's 8 keys (blk) for g query heads qr (already scaled), Sq = S qr;
 // sb: scratch of g * (m + m_o) floats
 inline void qjl_block(const Codec& K, int D, int g, const float* qr, const float* Sq, const uint8_t* blk, float* sb,
                       float* sc, int c0, vi lanebit) {
-  const int m = K.chunk, mo = K.kc, ms = m + mo;
-  const uint8_t* ob = blk + BLOCK * (m / 8);  // the outlier sketches' signs
-  const uint8_t* nb = ob + BLOCK * (mo / 8);  // the norms
-  const uint8_t* oc = nb + BLOCK * 4;         // the outlier channels
+  const QjlBlock qb(K, blk);
+  const int m = qb.m, mo = qb.mo, ms = m + mo;
+  const uint8_t* oc = qb.oc;
   // the outlier channels' columns of S (written blocks name distinct channels < D; another byte reads column 0 with
   // a zero coefficient), 8 of them always: a fixed trip count, two chains of multiply-adds per pair of vectors
   const float* col[QJL_OUTLIERS];
@@ -719,15 +746,11 @@ inline void qjl_block(const Codec& K, int D, int g, const float* qr, const float
       }
     }
   }
-  const float cin = SQRT_HALF_PI / m, cout = SQRT_HALF_PI / mo;
   for (int t = 0; t < BLOCK; ++t) {
-    uint16_t hn[2];
-    __builtin_memcpy(hn, nb + 4 * t, 4);
-    const float nu = fp16_to_f32(hn[0]), nuo = fp16_to_f32(hn[1]);
-    const float n2 = nu * nu - nuo * nuo;
-    const float ai = cin * (n2 > 0.f ? __builtin_sqrtf(n2) : 0.f), ao = cout * nuo;
-    const uint8_t* rin = blk + t * (m / 8);
-    const uint8_t* rout = ob + t * (mo / 8);
+    float ai, ao;
+    qb.factors(t, &ai, &ao);
+    const uint8_t* rin = qb.in + t * (m / 8);
+    const uint8_t* rout = qb.out + t * (mo / 8);
     float* o = sc + c0 + t;
     int i = 0;
     for (; i + 4 <= g; i += 4) qjl_scores<4>(sb + i * ms, ms, m, mo, rin, rout, ai, ao, lanebit, o + i * DTILE);
@@ -745,27 +768,20 @@ inline void qjl_block(const Codec& K, int D, int g, const float* qr, const float
 // outlier channels) times sqrt(pi/2)/m ||k_in|| (sqrt(pi/2)/m_o ||k_out||), in float32 - in another order than the
 // torch path's matmul, so it may differ from it by float32 rounding (a model-dtype unit where that rounding flips)
 inline void qjl_surrogate_rows(const Codec& K, int D, const uint8_t* blk, float* dst) {
-  const int m = K.chunk, mo = K.kc;
-  const uint8_t* ob = blk + BLOCK * (m / 8);
-  const uint8_t* nb = ob + BLOCK * (mo / 8);
-  const uint8_t* oc = nb + BLOCK * 4;
+  const QjlBlock qb(K, blk);
+  const int m = qb.m, mo = qb.mo;
   bool outlier[MAX_D] = {};
   for (int o = 0; o < QJL_OUTLIERS; ++o)
-    if (oc[o] < D) outlier[oc[o]] = true;
-  vi lanebit;
-  for (int i = 0; i < W; ++i) lanebit[i] = 1 << i;
-  const float cin = SQRT_HALF_PI / m, cout = SQRT_HALF_PI / mo;
+    if (qb.oc[o] < D) outlier[qb.oc[o]] = true;
+  const vi lanebit = lane_bits();
   for (int t = 0; t < BLOCK; ++t) {
     float* x = dst + t * D;
-    for (int c = 0; c < D; c += 4) qjl_dots<4>(K.cent + (int64_t)c * m, m, blk + t * (m / 8), m, lanebit, x + c);
-    uint16_t hn[2];
-    __builtin_memcpy(hn, nb + 4 * t, 4);
-    const float nu = fp16_to_f32(hn[0]), nuo = fp16_to_f32(hn[1]);
-    const float n2 = nu * nu - nuo * nuo;
-    const float ai = cin * (n2 > 0.f ? __builtin_sqrtf(n2) : 0.f), ao = cout * nuo;
+    for (int c = 0; c < D; c += 4) qjl_dots<4>(K.cent + (int64_t)c * m, m, qb.in + t * (m / 8), m, lanebit, x + c);
+    float ai, ao;
+    qb.factors(t, &ai, &ao);
     for (int c = 0; c < D; ++c) {
       if (outlier[c]) {
-        qjl_dots<1>(K.cent + (int64_t)c * m, m, ob + t * (mo / 8), mo, lanebit, x + c);
+        qjl_dots<1>(K.cent + (int64_t)c * m, m, qb.out + t * (mo / 8), mo, lanebit, x + c);
         x[c] = ao * x[c];
       } else {
         x[c] = ai * x[c];
@@ -1122,11 +1138,10 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
   const bool qjl_k = a.k.method == QJL;
   float* Sq = nullptr;
   float* qsb = nullptr;
-  vi lanebit = vi{} + 1;
+  const vi lanebit = lane_bits();
   if (qjl_k) {
     Sq = static_cast<float*>(__builtin_alloca(sizeof(float) * (g * a.k.chunk + g * (a.k.chunk + a.k.kc))));
     qsb = Sq + g * a.k.chunk;
-    for (int i = 0; i < W; ++i) lanebit[i] = 1 << i;
     qjl_sketch_queries(a.k, D, g, qr, Sq);
   }
 

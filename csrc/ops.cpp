@@ -126,25 +126,21 @@ Codec make_codec(const std::vector<at::Tensor>& ct, const std::vector<int64_t>& 
     TORCH_CHECK(c.scales_off >= 0 && c.scales_off + (L.block_size / BLOCK) * BLOCK * 2 <= L.rec_bytes,
                 "scales past the record");
     TORCH_CHECK(L.cap == 0, "scaled codes keep no outliers");
-  } else if (c.method == TADA) {  // no codebook either; the head mean split across the heads' records
+  } else if (c.method == TADA || c.method == AFFINE) {  // no codebook either: a scale and a min per group of
+    // channels; TaDA's values are deviations from the head mean, split across the heads' records
     TORCH_CHECK((c.bits == 8 || c.bits == 4 || c.bits == 2) && c.kc == (1 << c.bits) && c.chunk == 1,
-                "TaDA codec: 8, 4 or 2 bits");
+                "TaDA / affine codec: 8, 4 or 2 bits");
     TORCH_CHECK(c.code_bytes == BLOCK * D * c.bits / 8, "bad code_bytes");
-    TORCH_CHECK(c.group > 0 && D % c.group == 0 && c.group % 32 == 0, "TaDA group: a multiple of 32 dividing D");
-    TORCH_CHECK(c.mean_c > 0 && c.mean_c * H >= D, "TaDA head mean: the heads' shares must cover head_dim");
+    TORCH_CHECK(c.group > 0 && D % c.group == 0 && c.group % 32 == 0,
+                "TaDA / affine group: a multiple of 32 dividing D");
     const int64_t nb = L.block_size / BLOCK;
-    TORCH_CHECK(c.scales_off >= 0 && c.scales_off + nb * BLOCK * 2 * (D / c.group) * 2 <= L.rec_bytes &&
-                    c.mean_off >= 0 && c.mean_off + nb * BLOCK * c.mean_c * 2 <= L.rec_bytes,
-                "TaDA scales or mean past the record");
-    TORCH_CHECK(L.cap == 0, "TaDA keeps no outliers");
-  } else if (c.method == AFFINE) {  // TaDA's scale and min per group of channels, without a head mean
-    TORCH_CHECK((c.bits == 8 || c.bits == 4 || c.bits == 2) && c.kc == (1 << c.bits) && c.chunk == 1,
-                "affine codec: 8, 4 or 2 bits");
-    TORCH_CHECK(c.code_bytes == BLOCK * D * c.bits / 8, "bad code_bytes");
-    TORCH_CHECK(c.group > 0 && D % c.group == 0 && c.group % 32 == 0, "affine group: a multiple of 32 dividing D");
-    TORCH_CHECK(c.scales_off >= 0 && c.scales_off + (L.block_size / BLOCK) * BLOCK * 2 * (D / c.group) * 2 <=
-                    L.rec_bytes, "affine scales past the record");
-    TORCH_CHECK(L.cap == 0, "affine codes keep no outliers");
+    TORCH_CHECK(c.scales_off >= 0 && c.scales_off + nb * BLOCK * 2 * (D / c.group) * 2 <= L.rec_bytes,
+                "TaDA / affine scales past the record");
+    if (c.method == TADA)
+      TORCH_CHECK(c.mean_c > 0 && c.mean_c * H >= D && c.mean_off >= 0 &&
+                      c.mean_off + nb * BLOCK * c.mean_c * 2 <= L.rec_bytes,
+                  "TaDA head mean: the heads' shares must cover head_dim, within the record");
+    TORCH_CHECK(L.cap == 0, "TaDA / affine codes keep no outliers");
   } else if (c.method == QJL) {  // sign sketches: m bits of S k_in, m_o of S_o k_out, 2 norms per token, 8 channels
     TORCH_CHECK(c.chunk > 0 && c.chunk % 32 == 0 && c.kc > 0 && c.kc % 32 == 0 && c.kc <= c.chunk && c.bits == 1,
                 "QJL codec: sketch sizes m >= m_o, multiples of 32");
