@@ -489,39 +489,117 @@ bool bf16_dot() {
 #endif
 }
 
-// A prefill chunk's attention (PrefillArgs): q [Tq, Hq, D]; decoded keys kdT [H, nd / TILE, D, TILE] (tile-major)
-// and values vd [H, nd, D] of positions 0 ..; exact ones kxT / vx likewise of positions x0 ..; all float32.
-// With q16 non-empty (bf16_dot()): the scores from bf16 q16 [Tq, Hq, D] and keys kdT / kxT as bf16
-// [H, n / TILE, D / 2, TILE, 2] (PrefillArgs); q still float32 [Tq, Hq, D].
-void prefill_attention(const at::Tensor& q, const at::Tensor& kdT, const at::Tensor& vd, const at::Tensor& kxT,
-                       const at::Tensor& vx, int64_t offset, int64_t x0, double scale, at::Tensor& out,
-                       const at::Tensor& q16, int64_t window) {
-  const bool b16 = q16.numel() > 0;
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &vd, &vx, &out})
-    check_f32(*t, "prefill argument");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&kdT, &kxT, &q16}) {
-    if (b16 || t != &q16)
-      TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() &&
-                      t->scalar_type() == (b16 ? at::kBFloat16 : at::kFloat),
-                  "prefill keys: contiguous CPU tensors, bfloat16 with q16, else float32");
+// Rows of a [n, H, D] CPU tensor - float32, bfloat16 or float16, each row's D values contiguous, other strides free
+// (the slices and gathers the backend holds) - read as float32.
+struct SrcRows {
+  const char* p;
+  int64_t st, sh, n;  // strides in bytes; rows
+  at::ScalarType dt;
+  explicit SrcRows(const at::Tensor& t)
+      : p(static_cast<const char*>(t.data_ptr())), st(t.stride(0) * (int64_t)t.element_size()),
+        sh(t.stride(1) * (int64_t)t.element_size()), n(t.size(0)), dt(t.scalar_type()) {}
+  void row(int64_t i, int64_t h, int D, float* dst) const {
+    const char* r = p + i * st + h * sh;
+    if (dt == at::kFloat) {
+      std::memcpy(dst, r, sizeof(float) * D);
+    } else if (dt == at::kBFloat16) {
+      const uint16_t* u = reinterpret_cast<const uint16_t*>(r);
+      for (int c = 0; c < D; ++c) {
+        const uint32_t b = (uint32_t)u[c] << 16;
+        std::memcpy(dst + c, &b, sizeof(float));
+      }
+    } else {
+      const at::Half* u = reinterpret_cast<const at::Half*>(r);
+      for (int c = 0; c < D; ++c) dst[c] = static_cast<float>(u[c]);
+    }
   }
-  TORCH_CHECK(!b16 || bf16_dot(), "bf16 prefill scores need the avx512 kernels on a CPU with AVX512_BF16");
-  TORCH_CHECK(!b16 || q16.sizes() == q.sizes(), "q16: [Tq, Hq, D] like q");
+};
+
+void check_rows(const at::Tensor& t, const char* what) {
+  const auto dt = t.scalar_type();
+  TORCH_CHECK(t.device().is_cpu() && (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) &&
+                  (t.size(0) == 0 || t.size(2) <= 1 || t.stride(2) == 1),
+              what, ": a CPU tensor of float32, bfloat16 or float16 with contiguous rows");
+}
+
+// A prefill chunk's attention (PrefillArgs): queries q [Tq, Hq, D] at positions offset.., each over the keys up to
+// itself - decoded (kd / vd [>= its own block's start, H, D], positions 0..) before its own block (exact_start),
+// exact (kx / vx [n, H, D], positions x0..) from there on; out [Tq, Hq, D].  Any of float32 / bfloat16 / float16,
+// rows contiguous, other strides free: the arrays are padded to whole tiles, tiled (keys tile-major) and converted
+// here in one parallel pass - in torch that glue was ~a dozen ops, over half of a short chunk's layer step
+// (benchmarks/prefix: a prefix-cache hit's 40-token chunk).  b16 (bf16_dot()): the scores from the bf16 values
+// (PrefillArgs), the rest float32 as without.
+void prefill_attention(const at::Tensor& q, const at::Tensor& kd, const at::Tensor& vd, const at::Tensor& kx,
+                       const at::Tensor& vx, int64_t x0, int64_t offset, double scale, at::Tensor& out, bool b16,
+                       int64_t window) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out: [Tq, Hq, D]");
   const int64_t Tq = q.size(0), Hq = q.size(1), D = q.size(2);
   TORCH_CHECK(D % 32 == 0 && D <= MAX_D, "head_dim must be a multiple of 32 and at most ", MAX_D);
-  TORCH_CHECK(vd.dim() == 3 && vd.size(2) == D && vx.dim() == 3 && vx.size(2) == D && vx.size(0) == vd.size(0),
-              "values: [H, n, D]");
-  const int64_t H = vd.size(0), nd = vd.size(1), nx = vx.size(1);
+  TORCH_CHECK(kd.dim() == 3 && kd.sizes() == vd.sizes() && kx.dim() == 3 && kx.sizes() == vx.sizes() &&
+                  kd.size(2) == D && kx.size(2) == D && kd.size(1) == kx.size(1),
+              "keys and values: [n, H, D]");
+  const int64_t H = kd.size(1);
   TORCH_CHECK(H > 0 && Hq % H == 0, "query heads must be a multiple of the KV heads");
-  TORCH_CHECK(nd % TILE == 0 && nx % TILE == 0 && x0 % TILE == 0 && x0 >= 0 && offset >= 0,
-              "key arrays and x0: whole tiles of ", TILE);
-  TORCH_CHECK(kdT.numel() == H * nd * D && kxT.numel() == H * nx * D, "keys: [H, n / TILE, D, TILE]");
-  TORCH_CHECK(window >= 0 && window % BLOCK == 0, "window: whole blocks");
-  auto own = [&](int64_t p) { return exact_start(p, (int)window); };
+  check_rows(q, "q");
+  check_rows(out, "out");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&kd, &vd, &kx, &vx})
+    check_rows(*t, "prefill keys and values");
+  TORCH_CHECK(!b16 || bf16_dot(), "bf16 prefill scores need the avx512 kernels on a CPU with AVX512_BF16");
+  TORCH_CHECK(window >= 0 && window % BLOCK == 0 && window < (1 << 30), "window: whole blocks");
   if (Tq == 0) return;
-  TORCH_CHECK(nd >= own(offset + Tq - 1) && x0 <= own(offset) && x0 + nx >= offset + Tq,
+  const int64_t own_last = exact_start(offset + Tq - 1, (int)window), own_first = exact_start(offset, (int)window);
+  TORCH_CHECK(offset >= 0 && x0 >= 0 && kd.size(0) >= own_last && x0 <= own_first && x0 + kx.size(0) >= offset + Tq,
               "the key arrays do not cover the chunk (decoded up to its last query's window, exact from its first's)");
+  const int64_t nd = (own_last + TILE - 1) / TILE * TILE;  // decoded keys 0 .. nd - 1 (zero past kd)
+  const int64_t xt = x0 / TILE * TILE;                      // exact keys from the tile x0 is in (zero before x0)
+  const int64_t nx = (offset + Tq + TILE - 1) / TILE * TILE - xt;
+  at::Tensor kbuf = at::empty({H * (nd + nx) * D}, q.options().dtype(b16 ? at::kBFloat16 : at::kFloat));
+  at::Tensor vbuf = at::empty({H * (nd + nx) * D}, q.options().dtype(at::kFloat));
+  float* kf = b16 ? nullptr : kbuf.data_ptr<float>();
+  uint16_t* k16 = b16 ? reinterpret_cast<uint16_t*>(kbuf.data_ptr<at::BFloat16>()) : nullptr;
+  float* vf_ = vbuf.data_ptr<float>();
+  const SrcRows KD(kd), VD(vd), KX(kx), VX(vx);
+  const int64_t td = nd / TILE, tiles = (nd + nx) / TILE;
+  parallel_items(H * tiles, [&](int64_t item) {  // one tile of one KV head: keys tile-major, values row-major
+    const int64_t h = item / tiles, j = item % tiles;
+    const bool dec = j < td;
+    const int64_t t0 = (dec ? j : j - td) * TILE;  // the tile's first row in its array
+    const int64_t base = dec ? h * nd * D : H * nd * D + h * nx * D;
+    const SrcRows &K = dec ? KD : KX, &V = dec ? VD : VX;
+    const int64_t kt = base + t0 * D;  // the tile: [D][TILE] float32, or [D / 2][TILE][2] bf16
+    alignas(64) float kr[MAX_D];
+    for (int64_t t = 0; t < TILE; ++t) {
+      const int64_t r = t0 + t;  // row in the padded array: position r (decoded) or xt + r (exact)
+      const int64_t src = dec ? r : xt + r - x0;
+      float* vrow = vf_ + base + r * D;
+      if (!(dec ? src < KD.n : (src >= 0 && src < KX.n))) {  // padding: zero keys and values
+        std::memset(vrow, 0, sizeof(float) * D);
+        if (b16) {
+          for (int64_t c2 = 0; c2 < D / 2; ++c2) std::memset(k16 + kt + (c2 * TILE + t) * 2, 0, 4);
+        } else {
+          for (int64_t c = 0; c < D; ++c) kf[kt + c * TILE + t] = 0.f;
+        }
+        continue;
+      }
+      V.row(src, h, (int)D, vrow);
+      if (b16 && K.dt == at::kBFloat16) {  // a bf16 key's channel pairs moved as they are
+        const char* kr16 = K.p + src * K.st + h * K.sh;
+        for (int64_t c2 = 0; c2 < D / 2; ++c2) std::memcpy(k16 + kt + (c2 * TILE + t) * 2, kr16 + c2 * 4, 4);
+        continue;
+      }
+      K.row(src, h, (int)D, kr);
+      if (b16) {
+        for (int64_t c = 0; c < D; ++c) k16[kt + (c / 2) * TILE * 2 + t * 2 + (c & 1)] = c10::BFloat16(kr[c]).x;
+      } else {
+        for (int64_t c = 0; c < D; ++c) kf[kt + c * TILE + t] = kr[c];
+      }
+    }
+  });
+  at::Tensor qf = q.scalar_type() == at::kFloat && q.is_contiguous() ? q : q.to(at::kFloat).contiguous();
+  at::Tensor q16 = !b16 ? at::Tensor()
+                   : (q.scalar_type() == at::kBFloat16 && q.is_contiguous() ? q : q.to(at::kBFloat16).contiguous());
+  const bool direct = out.scalar_type() == at::kFloat && out.is_contiguous();
+  at::Tensor o32 = direct ? out : at::empty({Tq, Hq, D}, q.options().dtype(at::kFloat));
   PrefillArgs a;
   a.Tq = (int)Tq;
   a.Hq = (int)Hq;
@@ -530,25 +608,26 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kdT, const at::Ten
   a.offset = offset;
   a.window = (int)window;
   a.scale = (float)scale;
-  a.q = q.data_ptr<float>();
-  a.vd = vd.data_ptr<float>();
+  a.q = qf.data_ptr<float>();
+  a.vd = vf_;
   a.nd = nd;
-  a.vx = vx.data_ptr<float>();
-  a.x0 = x0;
+  a.vx = vf_ + H * nd * D;
+  a.x0 = xt;
   a.nx = nx;
-  a.out = out.data_ptr<float>();
+  a.out = o32.data_ptr<float>();
   if (b16) {
     a.q16 = reinterpret_cast<const uint16_t*>(q16.data_ptr<at::BFloat16>());
-    a.kdT16 = reinterpret_cast<const uint16_t*>(kdT.data_ptr<at::BFloat16>());
-    a.kxT16 = reinterpret_cast<const uint16_t*>(kxT.data_ptr<at::BFloat16>());
+    a.kdT16 = k16;
+    a.kxT16 = k16 + H * nd * D;
     a.kdT = a.kxT = nullptr;
   } else {
-    a.kdT = kdT.data_ptr<float>();
-    a.kxT = kxT.data_ptr<float>();
+    a.kdT = kf;
+    a.kxT = kf + H * nd * D;
   }
   const int64_t groups = (Tq * a.g + PF_ROWS - 1) / PF_ROWS;
   const Kernels* kern = g_kernels;
   parallel_items(H * groups, [&](int64_t i) { kern->prefill_item(a, i); });
+  if (!direct) out.copy_(o32);
 }
 
 // The flash prefill's window part and merge (WindowArgs; ops/cpu_flash.py): out [Tq, Hq, D] = softmax over each
@@ -660,5 +739,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("TILE") = tkv::TILE;  // the prefill kernel's key tiles
   m.attr("DECODE_TILE") = tkv::DTILE;
   // bumped whenever an op's arguments change: ops/cpu.py refuses (and says so) a stale build
-  m.attr("ABI_VERSION") = 13;
+  m.attr("ABI_VERSION") = 14;
 }

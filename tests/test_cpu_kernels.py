@@ -443,10 +443,9 @@ def test_prefill_attention_refuses_arrays_that_do_not_cover_the_chunk():
     never read out of bounds."""
     q = torch.randn(40, 2, 64)
     k = torch.randn(100, 1, 64)
-    with pytest.raises(RuntimeError, match="do not cover the chunk"):
-        cpu._C.prefill_attention(q, torch.zeros(1, 1, 64, 32), torch.zeros(1, 32, 64), torch.zeros(1, 1, 64, 32),
-                                 torch.zeros(1, 32, 64), 60, 32, 0.125, torch.empty_like(q),
-                                 torch.empty(0, dtype=torch.bfloat16), 0)
+    for kd, x0, kx in ((k[:48], 32, k), (k, 64, k), (k, 32, k[:60])):  # decoded keys short of the last query's
+        with pytest.raises(RuntimeError, match="do not cover the chunk"):  # block, exact ones from past the first
+            cpu.prefill_attention(q, kd, kd, kx, kx, x0, 60, 0.125)  # query's, or short of the last query
     before = cpu.isa()
     try:  # bf16 scores asked for where they cannot run (the portable variant): refused, not wrong
         cpu.set_isa("scalar")

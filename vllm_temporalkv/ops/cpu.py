@@ -59,7 +59,7 @@ from .cpu_flash import flash_prefill, register_window_merge
 
 logger = logging.getLogger("vllm.temporalkv")
 
-ABI_VERSION = 13  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
+ABI_VERSION = 14  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
 # split-K: every request's context is cut at the same tile boundaries whatever the batch, so its output does
 # not depend on which requests share the step (a batch-dependent split count changed float32 rounding, and a
 # 2-bit cache amplifies that through the codes of later tokens: benchmarks/stress.py).  Long splits cost less
@@ -291,7 +291,6 @@ def encodes(lc, pages: torch.Tensor | None = None) -> bool:
 
 
 _NONE32, _NONE64 = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64)  # no small pages
-_NONE_BF16 = torch.empty(0, dtype=torch.bfloat16)  # prefill scores in float32
 
 
 def _i32(t: torch.Tensor) -> torch.Tensor:
@@ -585,24 +584,6 @@ def use_flash_prefill(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and not EXACT and cpu_class() == "amx"
 
 
-def _padded(t: torch.Tensor, before: int, length: int) -> torch.Tensor:
-    """[N, H, D] -> float32 [length, H, D]: `before` zero rows, t, zero rows after (the kernel reads whole tiles)."""
-    buf = torch.zeros(length, *t.shape[1:], dtype=torch.float32)
-    n = min(t.shape[0], length - before)
-    buf[before:before + n] = t[:n]
-    return buf
-
-
-def _keys_tiled(t: torch.Tensor, bf16: bool = False) -> torch.Tensor:
-    """[length, H, D] -> [H, length / TILE, D, TILE]: each tile's keys as columns, contiguous; bf16: as bfloat16
-    channel pairs [H, length / TILE, D / 2, TILE, 2] (the dot-product instruction's operand)."""
-    L, H, D = t.shape
-    T = _C.TILE
-    if bf16:
-        return t.to(torch.bfloat16).view(L // T, T, H, D // 2, 2).permute(2, 0, 3, 1, 4).contiguous()
-    return t.view(L // T, T, H, D).permute(2, 0, 3, 1).contiguous()
-
-
 # bf16 prefill scores where the CPU has AVX512_BF16 and the model is bf16 (VLLM_TEMPORALKV_CPU_BF16_DOT=0: off)
 BF16_DOT = os.environ.get("VLLM_TEMPORALKV_CPU_BF16_DOT", "1") != "0"
 
@@ -621,27 +602,14 @@ def prefill_attention(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, kx: t
     dot products of the bf16 values (exact products, float32 sums in another order: agrees with the float32 scores
     to float32 rounding; ~2x fewer instructions), the rest as without.  window: a recent window - each query reads
     exactly from ``window`` tokens before its own block (``_own_block(p, window)``) instead."""
-    Tq, Hq, D = q.shape
     if out is None:
         out = torch.empty_like(q)
-    if Tq == 0:
+    if q.shape[0] == 0:
         return out
-    T = _C.TILE
-    nd = -(-_own_block(offset + Tq - 1, window) // T) * T
-    xt = x0 // T * T  # kx's rows from the tile x0 is in
-    nx = -(-(offset + Tq) // T) * T - xt
-    kdp, kxp = _padded(kd, 0, nd), _padded(kx, x0 - xt, nx)
-    vdp, vxp = _padded(vd, 0, nd), _padded(vx, x0 - xt, nx)
     if bf16 is None:
         bf16 = BF16_DOT and q.dtype == kd.dtype == kx.dtype == torch.bfloat16 and _C.bf16_dot()
-    kdT, kxT = _keys_tiled(kdp, bf16), _keys_tiled(kxp, bf16)
-    vdt, vxt = vdp.transpose(0, 1).contiguous(), vxp.transpose(0, 1).contiguous()
-    o32 = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(Tq, Hq, D)
-    q16 = q.to(torch.bfloat16).contiguous() if bf16 else _NONE_BF16
-    _C.prefill_attention(q.float().contiguous(), kdT, vdt, kxT, vxt, int(offset), int(xt), float(scale), o32, q16,
-                         int(window))
-    if o32 is not out:
-        out.copy_(o32)
+    # (the padding to whole tiles, the keys' tiling and the conversions happen in the C++ call: one pass)
+    _C.prefill_attention(q, kd, vd, kx, vx, int(x0), int(offset), float(scale), out, bool(bf16), int(window))
     return out
 
 _load()
