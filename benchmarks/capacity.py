@@ -50,7 +50,7 @@ def measure(model: str, dtype: str, kv_space_gib: int, max_len: int, extra: list
 
 
 def configs(formats: list[str], block_sizes: list[int], outliers: bool,
-            windows: list[int] = (), small: bool = False) -> list[tuple[str, str, list[str]]]:
+            windows: list[int] = (), big: bool = False) -> list[tuple[str, str, list[str]]]:
     out = []
     for f in formats:
         out.append((f, f, []))
@@ -61,9 +61,9 @@ def configs(formats: list[str], block_sizes: list[int], outliers: bool,
     for w in windows:
         out.append((f"temporalkv-2bit@window{w}", "temporalkv-2bit",
                     ["--additional-config", json.dumps({"temporalkv_recent_window": w})]))
-    if small:
-        out.append(("temporalkv-2bit@small", "temporalkv-2bit",
-                    ["--additional-config", json.dumps({"temporalkv_small_pages": True})]))
+    if big:
+        out.append(("temporalkv-2bit@big", "temporalkv-2bit",
+                    ["--additional-config", json.dumps({"temporalkv_small_pages": False})]))
     return out
 
 
@@ -79,14 +79,17 @@ def write_markdown(rep: dict, path: Path) -> None:
         else:
             lines.append(f"| {name} | {r['tokens']:,} | {r.get('ratio_vs_auto', float('nan')):.2f} | |")
     lines += ["", "`-o1`: 1% dense-and-sparse outliers enabled (`--additional-config '{\"temporalkv_outliers\": true}'`).",
-              "`@blockN`: `--block-size N`; each page keeps 16 half-precision token slots (8 sinks, 8 tail) per KV head,",
-              "so small pages spend a larger share on them. At 2 bits a 1024-token page holds 128 token-equivalents of",
-              "codes plus 16 half-precision slots: 8x / (1 + 16/128) = 7.1x, as measured. Larger pages gain a little more",
-              "(2048: see the row) but a page is vLLM's unit of allocation, so every short request or partly filled last",
-              "page wastes more; 1024 is the default.",
-              "`@small`: `temporalkv_small_pages` - 64-token pages of codes only, each request's sinks and incomplete block",
-              "in two pages of a second KV-cache group. vLLM then reports max-model-len x the requests that fit at that",
-              "length, each paying its two exact pages: 8x / (1 + 2 x 64 / max-model-len).",
+              "A codebook format without `@`: its default pages on the CPU, small pages (`temporalkv_small_pages`, issue",
+              "34) - 64-token pages of codes only, each request's sinks and incomplete block in two pages of a second",
+              "KV-cache group. vLLM then reports max-model-len x the requests that fit at that length, each paying its",
+              "two exact pages: at 2 bits 8x / (1 + 2 x 64 / max-model-len). (Rows measured before 2026-11-29, see their",
+              "command, had 1024-token pages by default, as `@big`.)",
+              "`@big`: `temporalkv_small_pages` false - 1024-token pages that keep 16 half-precision token slots (8 sinks,",
+              "8 tail) per KV head: at 2 bits 128 token-equivalents of codes plus 16 slots, 8x / (1 + 16/128) = 7.1x.",
+              "`@blockN`: `--block-size N`, pages that carry their own sinks and tail like `@big`'s, so smaller ones spend",
+              "a larger share on them. Larger pages gain a little more (2048: see the row) but a page is vLLM's unit of",
+              "allocation, so every short request or partly filled last page wastes more; 1024 is the default where",
+              "small pages are not served (the GPU, a recent window, the calibration-free and per-layer formats).",
               "`@windowN`: a recent window of N half-precision tokens (`temporalkv_recent_window`): every page keeps N",
               "more slots for it, so it costs N x 16 bits per page of 1024 tokens; the selective formats keep 128 by default."]
     path.write_text("\n".join(lines) + "\n")
@@ -123,7 +126,8 @@ def main(argv=None):
     p.add_argument("--windows", nargs="*", type=int, default=[32, 128],
                    help="recent windows to measure for temporalkv-2bit (temporalkv_recent_window)")
     p.add_argument("--no-outliers", action="store_true", help="skip the -o1 configurations")
-    p.add_argument("--small-pages", action="store_true", help="also temporalkv-2bit@small (temporalkv_small_pages)")
+    p.add_argument("--big-pages", action="store_true",
+                   help="also temporalkv-2bit@big (temporalkv_small_pages false: the 1024-token pages)")
     p.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     p.add_argument("--max-model-len", type=int, default=2048)
     add_out_arg(p)
@@ -138,7 +142,7 @@ def main(argv=None):
         prev = json.loads((out / "capacity.json").read_text())
         if prev.get("settings") == settings:
             res = {n: {"command": prev["run"]["command"], **r} for n, r in prev["configs"].items() if "error" not in r}
-    todo = configs(args.formats, args.block_sizes, not args.no_outliers, args.windows, args.small_pages)
+    todo = configs(args.formats, args.block_sizes, not args.no_outliers, args.windows, args.big_pages)
     for name, dtype, extra in tqdm(todo, desc="servers", unit="server"):
         res[name] = {**measure(model, dtype, args.kv_space_gib, args.max_model_len, extra),
                      "command": run_record()["command"]}

@@ -1,6 +1,6 @@
 """Prefix caching through the server: N requests sharing a P-token prefix, per KV format and page size.
 
-    python -m benchmarks.prefix                                   # auto vs temporalkv-2bit (+ 256 / 64-token pages)
+    python -m benchmarks.prefix                                   # auto vs temporalkv-2bit (+ 1024 / 256 / 64-token pages)
     python -m benchmarks.prefix --configs auto temporalkv-2bit --prefix-lens 600 --requests 8
     python -m benchmarks.prefix --smoke                           # ~1-2 min, a temp dir, no headline
 
@@ -11,8 +11,9 @@ same order, after one unrelated warm-up request.  Per configuration and P: vLLM'
 (``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries`` from /metrics, over the N requests), the hit rate
 whole pages of that size could give at most, time to first token (the first request, which cannot hit, and the
 mean of the others, which can) and the total time; the KV capacity and page size the server reports.  A
-configuration is a --kv-cache-dtype, optionally ``@blockN`` (``--block-size N``) or ``@small`` (the
-``temporalkv_small_pages`` serving option).  ``ttft_ratio_vs_auto``: the mean TTFT of the requests that could hit,
+configuration is a --kv-cache-dtype (on the CPU a codebook format's default pages are small pages: issue 34),
+optionally ``@blockN`` (``--block-size N``: pages that carry their own sinks and tail), ``@small`` or ``@big`` (the
+``temporalkv_small_pages`` serving option on / off: ``@big``, the 1024-token pages).  ``ttft_ratio_vs_auto``: the mean TTFT of the requests that could hit,
 over auto's (auto runs every time; configurations of an earlier run with the same settings are kept unless
 measured again, their command recorded).  Writes prefix.json / prefix.md / prefix.png (prefix-<name>.* for another
 --name) under --out and, for the formats at their default pages, merges ``prefix.<name>.p<P>.<format>.hit_rate``
@@ -37,8 +38,8 @@ from . import common
 MODEL = "smollm2"
 DEFAULT_NAME = "smollm2-cpu"  # the results files of another --name are prefix-<name>.*
 HEADER = "The following is an excerpt from a novel by Jane Austen.\n\n"
-FULL = {"configs": ["auto", "temporalkv-2bit", "temporalkv-2bit@block256", "temporalkv-2bit@block64",
-                    "temporalkv-2bit@small"],
+FULL = {"configs": ["auto", "temporalkv-2bit", "temporalkv-2bit@big", "temporalkv-2bit@block256",
+                    "temporalkv-2bit@block64"],
         "prefix_lens": [256, 600, 2000], "requests": 8, "question_tokens": 24, "max_tokens": 16,
         "max_model_len": 4096}
 SMALL = {"configs": ["auto", "temporalkv-2bit"], "prefix_lens": [300], "requests": 3, "question_tokens": 12,
@@ -52,9 +53,9 @@ def parse_config(name: str) -> tuple[str, list[str]]:
         return fmt, []
     if m := re.fullmatch(r"block(\d+)", mod):
         return fmt, ["--block-size", m[1]]
-    if mod == "small":
-        return fmt, ["--additional-config", json.dumps({"temporalkv_small_pages": True})]
-    raise SystemExit(f"--configs {name!r}: expected FORMAT, FORMAT@blockN or FORMAT@small")
+    if mod in ("small", "big"):
+        return fmt, ["--additional-config", json.dumps({"temporalkv_small_pages": mod == "small"})]
+    raise SystemExit(f"--configs {name!r}: expected FORMAT, FORMAT@blockN, FORMAT@small or FORMAT@big")
 
 
 def prompts(model: str, prefix_lens: list[int], n: int, q_tokens: int) -> tuple[list[int], dict[int, list[list[int]]]]:
@@ -210,7 +211,8 @@ def main(argv=None):
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--name", default=DEFAULT_NAME, help="model-and-device tag in the headline keys and the results "
                    "files (prefix-<name>.*; the default's: prefix.*)")
-    p.add_argument("--configs", nargs="+", default=None, help="FORMAT, FORMAT@blockN or FORMAT@small (auto is added)")
+    p.add_argument("--configs", nargs="+", default=None, help="FORMAT, FORMAT@blockN, FORMAT@small or FORMAT@big (auto is "
+                   "added)")
     p.add_argument("--prefix-lens", nargs="+", type=int, default=None)
     p.add_argument("--requests", type=int, default=None, help="requests per prefix (the first cannot hit)")
     p.add_argument("--question-tokens", type=int, default=None)
@@ -254,7 +256,7 @@ def main(argv=None):
     figures = {}
     for name, r in rep["configs"].items():
         for P, x in r.get("prefixes", {}).items():
-            if "@" not in name or name.endswith("@small"):  # @blockN rows are diagnostics; @small is a layout
+            if "@" not in name or name.endswith(("@small", "@big")):  # @blockN rows are diagnostics; these layouts
                 figures[f"prefix.{a.name}.p{P}.{name}.hit_rate"] = x["hit_rate"]
                 if "ttft_ratio_vs_auto" in x:
                     figures[f"prefix.{a.name}.p{P}.{name}.ttft_ratio_vs_auto"] = x["ttft_ratio_vs_auto"]

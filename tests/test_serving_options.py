@@ -41,12 +41,32 @@ def test_defaults_and_values(tmp_path, monkeypatch):
 
 
 def test_small_pages_only_where_served(tmp_path, monkeypatch):
-    """temporalkv_small_pages (issue 34): off by default; on for a codebook format; refused, naming the option, for
-    a recent window or a format it does not serve yet."""
-    assert serving_options(cfg(tmp_path))["small_pages"] is False
-    assert serving_options(cfg(tmp_path, temporalkv_small_pages=True))["small_pages"] is True
-    monkeypatch.setenv("VLLM_TEMPORALKV_SMALL_PAGES", "1")
+    """temporalkv_small_pages (issue 34): on by default where served (vLLM >= 0.27 on the CPU: a codebook format of
+    one page size, no recent window, no --block-size, the hybrid KV manager, no KV connector), off everywhere else
+    without a word; false turns it off; asked for where it is not served, refused, naming the option."""
+    from vllm_temporalkv.vllm import compat
+
+    if not compat.SMALL_PAGES_SUPPORTED:
+        pytest.skip("vLLM < 0.27: small pages are not served")
     assert serving_options(cfg(tmp_path))["small_pages"] is True
+    assert serving_options(cfg(tmp_path, "temporalkv-k4v2"))["small_pages"] is True
+    assert serving_options(cfg(tmp_path, temporalkv_small_pages=False))["small_pages"] is False
+    assert serving_options(cfg(tmp_path, temporalkv_small_pages="off"))["small_pages"] is False
+    for fmt, extra in (("temporalkv-2bit", {"temporalkv_recent_window": 16}), ("selective-int8", {}), ("qjl", {}),
+                       ("temporalkv-2bit-mixed", {})):  # a window, calibration-free, per-layer pages, a mix: not served
+        assert serving_options(cfg(tmp_path, fmt, **extra))["small_pages"] is False, fmt
+    others = {"cache_config": SimpleNamespace(cache_dtype="temporalkv-2bit", block_size=256,
+                                              user_specified_block_size=True),
+              "scheduler_config": SimpleNamespace(disable_hybrid_kv_cache_manager=True),
+              "kv_transfer_config": object()}
+    for k, v in others.items():  # --block-size N, --disable-hybrid-kv-cache-manager, --kv-transfer-config
+        c = cfg(tmp_path)
+        setattr(c, k, v)
+        assert serving_options(c)["small_pages"] is False, k
+    monkeypatch.setenv("VLLM_TEMPORALKV_SMALL_PAGES", "0")
+    assert serving_options(cfg(tmp_path))["small_pages"] is False
+    assert serving_options(cfg(tmp_path, temporalkv_small_pages=True))["small_pages"] is True  # the config wins
+    monkeypatch.setenv("VLLM_TEMPORALKV_SMALL_PAGES", "1")
     with pytest.raises(TemporalKVConfigError, match="temporalkv_small_pages: temporalkv-2bit with a recent window"):
         serving_options(cfg(tmp_path, temporalkv_recent_window=16))
     with pytest.raises(TemporalKVConfigError, match="temporalkv_small_pages: selective-int8 .*drop the option"):

@@ -134,7 +134,8 @@ def test_engines_of_different_formats_in_one_process(smollm2_dir, tiny_artifact)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     runs = [json.loads(line[len("ENGINE "):]) for line in p.stdout.splitlines() if line.startswith("ENGINE ")]
     assert [r["format"] for r in runs] == fmts
-    rec = {f: PageLayout(get_format(f), 64, 1024, False, 0, num_kv_heads=3).bytes for f in fmts}
+    # the CPU's default small pages (64 tokens; the exact pages share the pool, padded to the code page)
+    rec = {f: PageLayout(get_format(f), 64, 64, num_kv_heads=3, exact_pages=True).bytes for f in fmts}
     two, four, again = runs
     # the same KV space holds pages in inverse proportion to each format's record
     assert four["pages"] < two["pages"]
@@ -181,6 +182,7 @@ def test_builder_pads_a_captured_decode_batch_and_claims_graphs_only_when_asked(
     from vllm.platforms import current_platform
 
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)  # as on a GPU
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)  # (no small pages by default there)
     vc = SimpleNamespace(additional_config={"temporalkv_artifact": "x.safetensors"},
                          model_config=SimpleNamespace(dtype=torch.bfloat16, model="m"),
                          cache_config=SimpleNamespace(cache_dtype="temporalkv-2bit", block_size=1024))

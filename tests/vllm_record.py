@@ -4,7 +4,8 @@
 
 Used by tests/test_vllm_backend.py (in a subprocess: vLLM owns the process it runs in). For every
 attention layer it saves the positions, query, key (post-RoPE, as vLLM passes it), value and output
-of every forward call, concatenated in call order, and the layer's KV page after the request.
+of every forward call, concatenated in call order, and the layer's KV page after the request (one
+1024-token page: small pages off).
 The prompt (300 tokens of Emma) is prefilled in chunks of 100 tokens, so block boundaries fall
 inside chunks, then 24 tokens are decoded.
 """
@@ -47,7 +48,9 @@ def main(model_dir: str, fmt: str, artifact: str, out: str) -> None:
     ids = load_tokenizer(model_dir).encode(load_austen()["Emma"])[PROMPT]
     llm = LLM(model=model_dir, kv_cache_dtype=fmt, dtype="bfloat16", max_model_len=2048, enforce_eager=True,
               max_num_batched_tokens=CHUNK, enable_prefix_caching=False,
-              additional_config={"temporalkv_artifact": artifact})
+              # the 1024-token pages that carry their own sinks and tail: the request's one page holds all of it
+              # (the CPU's default small pages keep the same codes in 64-token pages: test_small_pages)
+              additional_config={"temporalkv_artifact": artifact, "temporalkv_small_pages": False})
     llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                  use_tqdm=False)
     tensors = {}

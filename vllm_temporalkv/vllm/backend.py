@@ -46,7 +46,7 @@ from ..page_views import exact_view
 from ..rope import Rope
 from ..ops.triton_path import padding_requests
 from . import compat
-from .options import DEFAULT_BLOCK_SIZE, TemporalKVConfigError, load_artifact, logger, serving_options
+from .options import DEFAULT_BLOCK_SIZE, SMALL_BLOCK_SIZE, TemporalKVConfigError, load_artifact, logger, serving_options
 
 
 class TemporalKVBackend(AttentionBackend):
@@ -106,7 +106,8 @@ class TemporalKVBackend(AttentionBackend):
             return None
         fixes = {
             "block_size not supported": f"--block-size must be a multiple of {BLOCK_TOKENS} and at least "
-                                        f"{2 * BLOCK_TOKENS} (default {DEFAULT_BLOCK_SIZE} gives the most capacity)",
+                                        f"{2 * BLOCK_TOKENS} (leave it out: small pages of {SMALL_BLOCK_SIZE} "
+                                        f"on the CPU, else {DEFAULT_BLOCK_SIZE})",
             "dtype not supported": f"the model runs in {str(selector_config.dtype).removeprefix('torch.')}; "
                                    "use --dtype bfloat16, float16 or float32",
         }

@@ -241,9 +241,11 @@ def skip_cpu_generator_rewind() -> bool:
     the token and rewinds the request's generator with ``set_offset(get_offset() - 4)`` - a CUDA (Philox)
     idea: a CPU generator has no offset and raises "CPU Generator does not use offset", which kills the
     engine.  Any request with a ``seed`` (which evaluation harnesses send by default) whose prompt is
-    chunked does that.  Here the rewind is skipped for CPU generators (as vllm-rbln#1025 does downstream):
-    such a request then samples from a generator one draw further along - reproducible for the same
-    chunking.  Returns whether the patch was installed."""
+    chunked does that.  Here a CPU generator is rewound by state instead: its state is kept before a step samples
+    for such a request and put back where vLLM would rewind, so the draw is undone as on CUDA and a seeded
+    request samples the same tokens however its prompt was chunked - prefilled whole, in steps, or partly from the
+    prefix cache (skipping the rewind, as vllm-rbln#1025 does downstream, left a generator one draw further along
+    per dropped chunk: a prefix-cache hit then changed seeded text).  Returns whether the patch was installed."""
     try:
         from vllm.platforms import current_platform
 
@@ -254,8 +256,20 @@ def skip_cpu_generator_rewind() -> bool:
         return False
     cls = gpu_model_runner.GPUModelRunner
     original = getattr(cls, "_bookkeeping_sync", None)
-    if original is None or getattr(original, "_temporalkv_skip_rewind", False):
+    original_sample = getattr(cls, "_sample", None)
+    if original is None or original_sample is None or getattr(original, "_temporalkv_skip_rewind", False):
         return False
+
+    def sample(self, *args, **kwargs):
+        batch = getattr(self, "input_batch", None)
+        gens = getattr(batch, "generators", None) or {}
+        mask = getattr(getattr(self, "discard_request_mask", None), "np", None)
+        kept = {}
+        if gens and mask is not None:  # the requests whose token this step drops: their generators' state now
+            n = batch.num_reqs
+            kept = {i: g.get_state() for i, g in gens.items() if g.device.type == "cpu" and i < n and mask[i]}
+        self._temporalkv_generator_states = kept
+        return original_sample(self, *args, **kwargs)
 
     def bookkeeping_sync(self, *args, **kwargs):
         gens = getattr(getattr(self, "input_batch", None), "generators", None)
@@ -267,8 +281,13 @@ def skip_cpu_generator_rewind() -> bool:
         finally:
             if held:
                 gens.update(held)
+                for i, state in getattr(self, "_temporalkv_generator_states", {}).items():
+                    if i in held:
+                        held[i].set_state(state)  # the rewind, by state
+            self._temporalkv_generator_states = {}
 
     bookkeeping_sync._temporalkv_skip_rewind = True
+    cls._sample = sample
     cls._bookkeeping_sync = bookkeeping_sync
     return True
 

@@ -18,8 +18,12 @@ Serving options (``--additional-config`` JSON or environment):
                                                       codes: each request's 8 sinks and incomplete block live in
                                                       two pages of a second KV-cache group (the sinks' page is
                                                       prefix-cached with the first code page), so prefixes of 64
-                                                      tokens and more hit the prefix cache (issue 34; vLLM >= 0.27,
-                                                      codebook formats without a recent window; default false)
+                                                      tokens and more hit the prefix cache (issue 34).  Default:
+                                                      on where they are served (``small_pages_by_default``: vLLM
+                                                      >= 0.27 on the CPU, a codebook format of one page size per
+                                                      model, no recent window, no --block-size, the hybrid KV
+                                                      manager on, no KV connector); false: 1024-token pages that
+                                                      keep their own sinks and tail
 Formats that need no calibration (selective-int8 / -int4, tada-4bit / -2bit, qjl) ignore the artifact.
 An unknown ``temporalkv_*`` key or a value that is not a boolean stops the server with the option's name.
 
@@ -76,11 +80,44 @@ def _option(extra: dict, key: str, env: str, default: str) -> tuple[object, str]
     return default, key
 
 
+def small_pages_by_default(vllm_config, fmt, window) -> bool:
+    """Whether a server that does not set temporalkv_small_pages gets small pages: wherever they are served as they
+    are tested - vLLM >= 0.27 (its KV specs sized per layer), the CPU (the C++ kernels read them; the Triton ones do
+    not yet), a codebook format of one page size per model without a recent window, vLLM's hybrid KV-cache manager
+    (the exact tokens' group) and no KV connector - and the page size left to the plugin: ``--block-size N`` keeps
+    the pages that carry their own sinks and tail, at N tokens.  The same answer in every process of a server (the
+    block size the plugin sets is not the user's)."""
+    from . import compat
+
+    if not compat.SMALL_PAGES_SUPPORTED or window or not fmt.needs_calibration or fmt.per_layer_pages or fmt.mix:
+        return False
+    from vllm.platforms import current_platform
+
+    sched = getattr(vllm_config, "scheduler_config", None)
+    return (current_platform.is_cpu() and not compat.user_specified_block_size(vllm_config.cache_config)
+            and not getattr(sched, "disable_hybrid_kv_cache_manager", False)
+            and getattr(vllm_config, "kv_transfer_config", None) is None)
+
+
+def _small_pages(vllm_config, extra: dict, fmt, window) -> bool:
+    value, where = _option(extra, "temporalkv_small_pages", ENV_SMALL_PAGES, None)
+    if value is None:
+        return small_pages_by_default(vllm_config, fmt, window)
+    return _flag(value, where)
+
+
 def small_pages_requested(vllm_config) -> bool:
-    """Whether temporalkv_small_pages is asked for - read alone, before the block size is final (the other options,
-    a recent window among them, are checked against the final one by ``serving_options``)."""
+    """Whether this server serves small pages - read alone, before the block size is final (the other options
+    are checked against the final one by ``serving_options``; a recent window here only as the default's
+    condition: a malformed one is its error)."""
     extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
-    return _flag(*_option(extra, "temporalkv_small_pages", ENV_SMALL_PAGES, "0"))
+    fmt = get_format(vllm_config.cache_config.cache_dtype)
+    value, _ = _option(extra, "temporalkv_recent_window", ENV_WINDOW, str(fmt.window))
+    try:
+        window = int(value)
+    except (TypeError, ValueError):
+        window = 1  # (refused by serving_options with the option's name)
+    return _small_pages(vllm_config, extra, fmt, window)
 
 
 def serving_options(vllm_config) -> dict:
@@ -115,7 +152,7 @@ def serving_options(vllm_config) -> dict:
         window = check_window(value, vllm_config.cache_config.block_size, where)
     except FormatError as e:
         raise TemporalKVConfigError(str(e)) from None
-    small = _flag(*_option(extra, "temporalkv_small_pages", ENV_SMALL_PAGES, "0"))
+    small = _small_pages(vllm_config, extra, fmt, window)
     if small and (window or not fmt.needs_calibration or fmt.per_layer_pages or fmt.mix):
         raise TemporalKVConfigError(
             f"temporalkv_small_pages: {fmt.name}" + (f" with a recent window of {window} tokens" if window else "")

@@ -105,8 +105,9 @@ def _on_config(vllm_config) -> None:
         # selective format's default window of 128 does not fit)
         if small_pages_requested(vllm_config):
             logger.info("%s: small pages of %d tokens (codes only; each request's sinks and incomplete block in two "
-                        "pages of a second KV-cache group); pass --block-size to override", cc.cache_dtype,
-                        SMALL_BLOCK_SIZE)
+                        "pages of a second KV-cache group: prefixes of %d tokens and more hit the prefix cache); "
+                        "--additional-config '{\"temporalkv_small_pages\": false}' or --block-size N keeps pages "
+                        "that carry their own sinks and tail", cc.cache_dtype, SMALL_BLOCK_SIZE, SMALL_BLOCK_SIZE)
             cc.block_size = SMALL_BLOCK_SIZE
         else:
             if cc.block_size != DEFAULT_BLOCK_SIZE:
