@@ -73,6 +73,21 @@ def test_small_pages_only_where_served(tmp_path, monkeypatch):
         serving_options(cfg(tmp_path, "selective-int8"))
 
 
+def test_small_pages_default_size_fills_the_exact_pages():
+    """Both KV-cache groups share one page size: the default small page is 64 tokens, or 128 where 64 tokens of
+    codes would fill only half of an exact page (1-bit codes, with or without outliers), whatever the head size."""
+    from vllm_temporalkv.vllm.options import small_block_size
+
+    def size(fmt, D, **extra):
+        return small_block_size(SimpleNamespace(additional_config=extra, cache_config=SimpleNamespace(cache_dtype=fmt),
+                                                model_config=SimpleNamespace(get_head_size=lambda: D)))
+
+    for D in (64, 128):
+        assert [size(f, D) for f in ("temporalkv-4bit", "temporalkv-2bit", "temporalkv-k4v1", "channelkv-2bit")] == \
+            [64] * 4
+        assert size("temporalkv-1bit", D) == size("kvquant-1bit", D, temporalkv_outliers=True) == 128
+
+
 def test_a_calibration_free_format_needs_no_artifact(tmp_path):
     o = serving_options(cfg(tmp_path / "not-a-folder", "selective-int8"))
     assert o["artifact"] is None and o["window"] == 128

@@ -185,7 +185,7 @@ def _lockstep(ops, lc, pages, tables, exact, q, k, v, cuts, out):
             assert torch.equal(o[r * (b - a): (r + 1) * (b - a)], o[: b - a]), (a, b, r)
 
 
-@pytest.mark.parametrize("fmt", ["temporalkv-2bit", "kvquant-2bit"])
+@pytest.mark.parametrize("fmt", ["temporalkv-2bit", "kvquant-2bit", "temporalkv-1bit"])
 def test_cpu_kernels_serve_small_pages_like_the_default_pages(fmt):
     """The C++ path (fused decode, prefill chunks written then gathered) on small pages against itself on the
     default pages: the same tokens of two requests stepped together give bit-identical outputs and pages that

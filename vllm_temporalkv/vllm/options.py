@@ -14,7 +14,7 @@ Serving options (``--additional-config`` JSON or environment):
                                                       codebook formats, 128 for selective-int8/int4,
                                                       tada-4bit/2bit and qjl)
     temporalkv_small_pages / VLLM_TEMPORALKV_SMALL_PAGES
-                                                      pages of 64 tokens (--block-size overrides) that hold only
+                                                      pages of 64 tokens (1-bit: 128; --block-size overrides) that hold only
                                                       codes: each request's 8 sinks and incomplete block live in
                                                       two pages of a second KV-cache group (the sinks' page is
                                                       prefix-cached with the first code page), so prefixes of 64
@@ -45,7 +45,8 @@ from ..formats import FormatError, check_window, get_format
 logger = logging.getLogger("vllm.temporalkv")  # under vLLM's logger, so its handlers print it
 
 DEFAULT_BLOCK_SIZE = 1024  # large pages amortize the 16 half-precision tokens each page keeps
-SMALL_BLOCK_SIZE = 64  # temporalkv_small_pages: code pages only (a 2-bit page of 64 tokens = one page of 8 exact tokens)
+SMALL_BLOCK_SIZE = 64  # temporalkv_small_pages: code pages only (a 2-bit page of 64 tokens = one page of 8 exact tokens;
+# small_block_size: 128 for 1-bit codes)
 ENV_OUTLIERS = "VLLM_TEMPORALKV_OUTLIERS"
 ENV_BATCH_INVARIANT = "VLLM_TEMPORALKV_BATCH_INVARIANT"
 ENV_WINDOW = "VLLM_TEMPORALKV_RECENT_WINDOW"
@@ -97,6 +98,23 @@ def small_pages_by_default(vllm_config, fmt, window) -> bool:
     return (current_platform.is_cpu() and not compat.user_specified_block_size(vllm_config.cache_config)
             and not getattr(sched, "disable_hybrid_kv_cache_manager", False)
             and getattr(vllm_config, "kv_transfer_config", None) is None)
+
+
+def small_block_size(vllm_config) -> int:
+    """The default page of small pages: 64 tokens, or the fewest multiple of 64 whose codes fill a page of exact
+    tokens (both KV-cache groups share one page size, so a 1-bit format's 64-token code page - half an exact page -
+    would be padded to one and keep only 2-bit capacity: 128 tokens)."""
+    from ..layout import PageLayout, exact_record_bytes
+
+    extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+    fmt = get_format(vllm_config.cache_config.cache_dtype)
+    outliers = _flag(*_option(extra, "temporalkv_outliers", ENV_OUTLIERS, "0"))
+    D = vllm_config.model_config.get_head_size()
+    bs = SMALL_BLOCK_SIZE
+    while bs < DEFAULT_BLOCK_SIZE and \
+            PageLayout(fmt, D, bs, outliers=outliers, exact_pages=True).code_record_bytes < exact_record_bytes(D):
+        bs *= 2
+    return bs
 
 
 def _small_pages(vllm_config, extra: dict, fmt, window) -> bool:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from ..artifact import ArtifactError
 from ..formats import FORMATS, get_format
-from .options import (DEFAULT_BLOCK_SIZE, SMALL_BLOCK_SIZE, TemporalKVConfigError, load_artifact, logger,
-                      serving_options, small_pages_requested)
+from .options import (DEFAULT_BLOCK_SIZE, TemporalKVConfigError, load_artifact, logger, serving_options,
+                      small_block_size, small_pages_requested)
 
 BACKEND_PATH = "vllm_temporalkv.vllm.backend.TemporalKVBackend"
 
@@ -104,11 +104,11 @@ def _on_config(vllm_config) -> None:
         # (not serving_options: it checks the recent window against the platform's default block size, which a
         # selective format's default window of 128 does not fit)
         if small_pages_requested(vllm_config):
+            cc.block_size = small_block_size(vllm_config)
             logger.info("%s: small pages of %d tokens (codes only; each request's sinks and incomplete block in two "
                         "pages of a second KV-cache group: prefixes of %d tokens and more hit the prefix cache); "
                         "--additional-config '{\"temporalkv_small_pages\": false}' or --block-size N keeps pages "
-                        "that carry their own sinks and tail", cc.cache_dtype, SMALL_BLOCK_SIZE, SMALL_BLOCK_SIZE)
-            cc.block_size = SMALL_BLOCK_SIZE
+                        "that carry their own sinks and tail", cc.cache_dtype, cc.block_size, cc.block_size)
         else:
             if cc.block_size != DEFAULT_BLOCK_SIZE:
                 logger.info("%s: using KV block size %d (pages keep 16 half-precision tokens; large pages "
