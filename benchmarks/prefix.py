@@ -12,8 +12,8 @@ same order, after one unrelated warm-up request.  Per configuration and P: vLLM'
 whole pages of that size could give at most, time to first token (the first request, which cannot hit, and the
 mean of the others, which can) and the total time; the KV capacity and page size the server reports.  A
 configuration is a --kv-cache-dtype (on the CPU a codebook format's default pages are small pages: issue 34),
-optionally ``@blockN`` (``--block-size N``: pages that carry their own sinks and tail), ``@small`` or ``@big`` (the
-``temporalkv_small_pages`` serving option on / off: ``@big``, the 1024-token pages).  ``ttft_ratio_vs_auto``: the mean TTFT of the requests that could hit,
+optionally ``@blockN`` (``--block-size N``: pages that carry their own sinks and tail), ``@small`` or ``@big``
+(the ``temporalkv_small_pages`` serving option on / off: ``@big``, the 1024-token pages).  ``ttft_ratio_vs_auto``: the mean TTFT of the requests that could hit,
 over auto's (auto runs every time; configurations of an earlier run with the same settings are kept unless
 measured again, their command recorded).  Writes prefix.json / prefix.md / prefix.png (prefix-<name>.* for another
 --name) under --out and, for the formats at their default pages, merges ``prefix.<name>.p<P>.<format>.hit_rate``

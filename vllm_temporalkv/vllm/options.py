@@ -14,8 +14,9 @@ Serving options (``--additional-config`` JSON or environment):
                                                       codebook formats, 128 for selective-int8/int4,
                                                       tada-4bit/2bit and qjl)
     temporalkv_small_pages / VLLM_TEMPORALKV_SMALL_PAGES
-                                                      pages of 64 tokens (1-bit: 128; --block-size overrides) that hold only
-                                                      codes: each request's 8 sinks and incomplete block live in
+                                                      pages of 64 tokens (1-bit: 128; --block-size
+                                                      overrides) that hold only codes: each request's 8
+                                                      sinks and incomplete block live in
                                                       two pages of a second KV-cache group (the sinks' page is
                                                       prefix-cached with the first code page), so prefixes of 64
                                                       tokens and more hit the prefix cache (issue 34).  Default:
@@ -45,8 +46,9 @@ from ..formats import FormatError, check_window, get_format
 logger = logging.getLogger("vllm.temporalkv")  # under vLLM's logger, so its handlers print it
 
 DEFAULT_BLOCK_SIZE = 1024  # large pages amortize the 16 half-precision tokens each page keeps
-SMALL_BLOCK_SIZE = 64  # temporalkv_small_pages: code pages only (a 2-bit page of 64 tokens = one page of 8 exact tokens;
-# small_block_size: 128 for 1-bit codes)
+# temporalkv_small_pages: code pages only (a 2-bit page of 64 tokens = one page of 8 exact tokens; 1-bit codes: 128,
+# small_block_size)
+SMALL_BLOCK_SIZE = 64
 ENV_OUTLIERS = "VLLM_TEMPORALKV_OUTLIERS"
 ENV_BATCH_INVARIANT = "VLLM_TEMPORALKV_BATCH_INVARIANT"
 ENV_WINDOW = "VLLM_TEMPORALKV_RECENT_WINDOW"
