@@ -630,6 +630,34 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kd, const at::Tens
   if (!direct) out.copy_(o32);
 }
 
+// A prefill chunk's layer step on codebook pages without a recent window (ops.cpu._prefill), in one call instead
+// of three: the chunk's K/V written (kh / vh, the blocks it completes encoded once: write_kv), the first m cached
+// tokens read back decoded (gather: the sinks and whole blocks, the chunk's completed ones included), and the
+// chunk's attention over them (prefill_attention) - its queries' exact keys the decoded rows x0 .. e0 - 1 followed
+// by ke / ve (the exact rows from e0 on: the context's incomplete block, read by the caller before this write may
+// reuse its slots, and the chunk's own).  The same ops in the same order as the three calls, so the same pages and
+// outputs bit for bit; what it saves is their Python glue, ~a third of a prefix-cache hit's short chunk
+// (benchmarks/prefix).  sink_page / ring_page: small pages' exact pages of this request (-1: none).
+void prefill_chunk(const at::Tensor& pages, const at::Tensor& q, const at::Tensor& kh, const at::Tensor& vh,
+                   const at::Tensor& ke, const at::Tensor& ve, const at::Tensor& positions, const at::Tensor& page_ids,
+                   const at::Tensor& block_table, int64_t m, int64_t x0, int64_t e0, int64_t offset,
+                   const at::Tensor& cos, const at::Tensor& sin, double s2, const std::vector<at::Tensor>& kt,
+                   const std::vector<int64_t>& ki, const std::vector<at::Tensor>& vt, const std::vector<int64_t>& vi,
+                   const std::vector<int64_t>& li, int64_t sink_page, int64_t ring_page, double scale, at::Tensor& out,
+                   bool b16) {
+  const int64_t N = kh.size(0);
+  TORCH_CHECK(0 <= x0 && x0 <= e0 && e0 <= m, "prefill_chunk: decoded exact rows x0 <= e0 <= m");
+  const bool small = sink_page >= 0;
+  const auto opt = positions.options().dtype(at::kLong);
+  write_kv(pages, kh, vh, positions.to(at::kLong).contiguous(), page_ids.to(at::kLong).contiguous(), cos, sin, s2,
+           kt, ki, vt, vi, li, small ? at::full({N}, sink_page, opt) : at::empty({0}, opt),
+           small ? at::full({N}, ring_page, opt) : at::empty({0}, opt));
+  const std::vector<at::Tensor> kv = gather(pages, block_table, m, cos, sin, kt, ki, vt, vi, li, sink_page, ring_page);
+  const bool mixed = e0 > x0;  // the sinks a query before position 8 reads exactly are decoded rows here
+  prefill_attention(q, kv[0], kv[1], mixed ? at::cat({kv[0].slice(0, x0, e0), ke}) : ke,
+                    mixed ? at::cat({kv[1].slice(0, x0, e0), ve}) : ve, x0, offset, scale, out, b16, 0);
+}
+
 // The flash prefill's window part and merge (WindowArgs; ops/cpu_flash.py): out [Tq, Hq, D] = softmax over each
 // query's 8 positions p - window - 7 .. p - window (kd / vd decoded from position 0, kx / vx exact from x0; window: a
 // recent window, 0 for none) and the parts (o [H, g, Tq - t0,
@@ -734,10 +762,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &tkv::write_kv, py::call_guard<py::gil_scoped_release>());
   m.def("nearest", &tkv::nearest, py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention", &tkv::prefill_attention, py::call_guard<py::gil_scoped_release>());
+  m.def("prefill_chunk", &tkv::prefill_chunk, py::call_guard<py::gil_scoped_release>());
   m.def("window_merge", &tkv::window_merge, py::call_guard<py::gil_scoped_release>());
   m.def("bf16_dot", &tkv::bf16_dot, "whether prefill_attention takes bf16 scores here (avx512 + AVX512_BF16)");
   m.attr("TILE") = tkv::TILE;  // the prefill kernel's key tiles
   m.attr("DECODE_TILE") = tkv::DTILE;
   // bumped whenever an op's arguments change: ops/cpu.py refuses (and says so) a stale build
-  m.attr("ABI_VERSION") = 14;
+  m.attr("ABI_VERSION") = 15;
 }

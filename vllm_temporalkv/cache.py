@@ -68,6 +68,8 @@ class LayerCache:
     def exact(self, x: torch.Tensor) -> torch.Tensor:
         """New K/V as the cache will hold them (stored half values) in the model dtype: what a query
         of this step sees of its own block, exactly what a later step reads back from the tail."""
+        if x.dtype == self.dtype == self.store_dtype:  # (a bf16 / fp16 model: as it is, without two dispatches)
+            return x
         return x.to(self.store_dtype).to(self.dtype)
 
     @property

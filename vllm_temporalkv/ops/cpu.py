@@ -59,7 +59,7 @@ from .cpu_flash import flash_prefill, register_window_merge
 
 logger = logging.getLogger("vllm.temporalkv")
 
-ABI_VERSION = 14  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
+ABI_VERSION = 15  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
 # split-K: every request's context is cut at the same tile boundaries whatever the batch, so its output does
 # not depend on which requests share the step (a batch-dependent split count changed float32 rounding, and a
 # 2-bit cache amplifies that through the codes of later tokens: benchmarks/stress.py).  Long splits cost less
@@ -146,7 +146,9 @@ def supported_isas() -> list[str]:
 
 def set_isa(name: str) -> None:
     """Force a kernel variant (tests); raises if the CPU cannot run it."""
+    global _BF16_UNITS
     _C.set_isa(name)
+    _BF16_UNITS = None  # whether the variant takes bf16 scores: asked again
 
 
 # ---- what the kernels need from a LayerCache, prepared once per (quantizer, layout) ------------
@@ -480,14 +482,19 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
         return out
     if out is None:
         out = torch.empty_like(query)
-    rest, rows = _attend_decodes(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out,
-                                 exact)
     qsl = query_start_loc.tolist()
+    rest, rows = _attend_decodes(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out,
+                                 exact, qsl)
     lens = seq_lens.tolist()
+    N = query.shape[0]
     for r in rest:
         a, b = qsl[r], qsl[r + 1]
-        _prefill(lc, pages, query[a:b], key[a:b], value[a:b], positions[a:b], page_ids[a:b], block_tables[r],
-                 lens[r], scale, out[a:b], None if exact is None else exact.request(r))
+        ex = None if exact is None else exact.request_pages(r)
+        if a == 0 and b == N == positions.shape[0] == page_ids.shape[0]:  # the step's only request (a prefix
+            _prefill(lc, pages, query, key, value, positions, page_ids, block_tables[r], lens[r], scale, out, ex)
+        else:  # hit's chunk, a prompt's): no slices
+            _prefill(lc, pages, query[a:b], key[a:b], value[a:b], positions[a:b], page_ids[a:b], block_tables[r],
+                     lens[r], scale, out[a:b], ex)
     if rows is not None and not rows.numel():  # prefill chunks only: each wrote its own tokens
         return out
     if window:  # the decodes' window update, on the torch path (_write_decodes_window: all of them at once)
@@ -510,15 +517,18 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
 _NO_ROWS = torch.empty(0, dtype=torch.long)  # a step without decode rows (a CPU tensor: these kernels serve CPU pages)
 
 
-def _attend_decodes(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out, exact=None):
+def _attend_decodes(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out, exact=None,
+                    qsl: list[int] | None = None):
     """The requests with one query token attend in one fused decode call (before any write of the step),
-    into out.  Returns (the other requests' indices, the decode rows of query - None when every row is one)."""
+    into out.  Returns (the other requests' indices, the decode rows of query - None when every row is one).
+    qsl: ``query_start_loc.tolist()`` where the caller has it."""
     R = seq_lens.shape[0]
-    if R > 0 and query.shape[0] == R and query_start_loc.tolist() == list(range(R + 1)):  # (one list: no tensor ops)
+    if qsl is None:
+        qsl = query_start_loc.tolist()
+    if R > 0 and query.shape[0] == R and qsl == list(range(R + 1)):  # (one list: no tensor ops)
         decode_attention(lc, pages, query, key, value, seq_lens, block_tables, scale, out,
                          small=exact)  # no per-request Python
         return [], None
-    qsl = query_start_loc.tolist()
     dec = [r for r in range(R) if qsl[r + 1] - qsl[r] == 1]
     rest = [r for r in range(R) if qsl[r + 1] - qsl[r] > 1]
     if not dec:  # prefill chunks only (a prefix-cache hit's or a prompt's chunk): no tensor to build
@@ -534,7 +544,7 @@ def _attend_decodes(lc, pages, query, key, value, query_start_loc, seq_lens, blo
 def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: float, out: torch.Tensor,
              exact=None) -> None:
     """One request's chunk of new tokens (positions n - len(q) .. n - 1): write, then attend.  ``exact``: small
-    pages' (region, sink page, ring page) of this request (``ExactPages.request``).
+    pages' (region, sink page, ring page) of this request, the pages as ints (``ExactPages.request_pages``).
 
     With a recent window of w tokens (pages written by the torch path, read by the C++ gather) the same with
     everything w positions back: the context's exact rows the first query reads (its ring, [lo, ctx)) are read
@@ -558,15 +568,22 @@ def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: floa
         ke = torch.cat([tail[:, :, 0].transpose(0, 1), ke])
         ve = torch.cat([tail[:, :, 1].transpose(0, 1), ve])
     nq = k.shape[0]
+    hi = n // BLOCK_TOKENS * BLOCK_TOKENS
+    m = max(hi, min(n, SINK_TOKENS))  # sinks and whole blocks: all in the pages after the write (decoded up to
+    x = _own_block(ctx, w)  # the last query's exact start: exact_from(m, w) >= it); exact keys from the first's
+    if not w and not use_flash_prefill(q.dtype):  # write, gather and attend in one C++ call (the same ops)
+        cos, sin = rope_tables(lc.rope, n)[:2]
+        sink, ring = (-1, -1) if exact is None else exact[1:]
+        _C.prefill_chunk(pages, q, k.to(lc.store_dtype).contiguous(), v.to(lc.store_dtype).contiguous(), ke, ve,
+                         positions, page_ids, _i32(table), m, x, e0, ctx, cos, sin, float(lc.rope.scale) ** 2,
+                         *_args(lc, k.shape[1]), sink, ring, float(scale), out, _bf16_scores(q.dtype, lc.dtype))
+        return
     if w:
         paged_torch.write_kv_window(lc, pages, k, v, torch.tensor([0, nq]), torch.tensor([n]), table[None])
     else:
-        write_kv(lc, pages, k, v, positions, page_ids,
-                 exact=None if exact is None else (exact[0], exact[1].expand(nq), exact[2].expand(nq)))
-    hi = n // BLOCK_TOKENS * BLOCK_TOKENS
-    m = max(hi, min(n, SINK_TOKENS))  # sinks and whole blocks: all in the pages now (decoded up to the last
-    kg, vg = gather_kv(lc, pages, table, m, exact=exact)  # query's exact start: exact_from(m, w) >= it)
-    x = _own_block(ctx, w)  # exact keys from the first query's exact start
+        write_kv(lc, pages, k, v, positions, page_ids, exact=None if exact is None else
+                 (exact[0], torch.full((nq,), exact[1], dtype=torch.long), torch.full((nq,), exact[2], dtype=torch.long)))
+    kg, vg = gather_kv(lc, pages, table, m, exact=exact)
     kx, vx = torch.cat([kg[x:e0], ke]), torch.cat([vg[x:e0], ve])
     if use_flash_prefill(q.dtype):
         flash_prefill(q, kg, vg, kx, vx, x, ctx, scale, out, window=w)
@@ -588,6 +605,17 @@ def use_flash_prefill(dtype: torch.dtype) -> bool:
 BF16_DOT = os.environ.get("VLLM_TEMPORALKV_CPU_BF16_DOT", "1") != "0"
 
 
+def _bf16_scores(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """prefill_attention's default ``bf16``: a bf16 chunk on a CPU whose kernels take bf16 scores (``BF16_DOT``)."""
+    global _BF16_UNITS
+    if _BF16_UNITS is None:
+        _BF16_UNITS = bool(_C.bf16_dot())
+    return BF16_DOT and q_dtype == kv_dtype == torch.bfloat16 and _BF16_UNITS
+
+
+_BF16_UNITS: bool | None = None  # _C.bf16_dot(), asked once
+
+
 @torch.no_grad()
 def prefill_attention(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor,
                       x0: int, offset: int, scale: float, out: torch.Tensor | None = None,
@@ -607,7 +635,7 @@ def prefill_attention(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, kx: t
     if q.shape[0] == 0:
         return out
     if bf16 is None:
-        bf16 = BF16_DOT and q.dtype == kd.dtype == kx.dtype == torch.bfloat16 and _C.bf16_dot()
+        bf16 = kd.dtype == kx.dtype == q.dtype and _bf16_scores(q.dtype, kd.dtype)
     # (the padding to whole tiles, the keys' tiling and the conversions happen in the C++ call: one pass)
     _C.prefill_attention(q, kd, vd, kx, vx, int(x0), int(offset), float(scale), out, bool(bf16), int(window))
     return out

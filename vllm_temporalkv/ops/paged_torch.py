@@ -52,6 +52,11 @@ class ExactPages:
         """(region, sink page, ring page) of request r: what gather_kv reads."""
         return self.region, self.table[r, 0].long(), self.table[r, 1].long()
 
+    def request_pages(self, r: int) -> tuple[torch.Tensor, int, int]:
+        """(region, sink page, ring page) of request r, the pages as ints (the C++ path's: no tensor ops)."""
+        sink, ring = self.table[r, :2].tolist()
+        return self.region, sink, ring
+
     def tokens(self, query_start_loc: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(region, sink page [n], ring page [n]) of a step's n tokens: what write_kv writes."""
         qsl = query_start_loc.long().cpu()

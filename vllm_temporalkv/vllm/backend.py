@@ -311,6 +311,7 @@ class TemporalKVImpl(AttentionImpl):
         self._hf_config = cfg.model_config.hf_config
         self._artifact = load_artifact(cfg)  # immutable, cached per (path, model) in the process; None: not needed
         self._lc: LayerCache | None = None  # this layer's codebooks and page layout
+        self._exact_view = None  # small pages: ((the companion's pages' address, shape), their exact-pages view)
 
     def page_layout(self, index: int, block_size: int | None = None) -> PageLayout:
         """Layer ``index``'s pages: a mixed format serves each layer as one of its parts (its codebooks, pages,
@@ -373,4 +374,8 @@ class TemporalKVImpl(AttentionImpl):
             raise TemporalKVConfigError(f"{layer.layer_name}: small pages, but vLLM built no exact-page metadata for "
                                         "this step (is the hybrid KV-cache manager on?)")
         epages, meta = got
-        return ExactPages(exact_view(lc.layout, epages, lc.store_dtype), meta.block_table)
+        key = (epages.data_ptr(), epages.shape)
+        if self._exact_view is None or self._exact_view[0] != key:
+            # the companion's pages stay where they are once allocated: their view built once, not per layer step
+            self._exact_view = (key, exact_view(lc.layout, epages, lc.store_dtype))
+        return ExactPages(self._exact_view[1], meta.block_table)
