@@ -1559,7 +1559,7 @@ void gather_block(const GatherArgs& a, int64_t item) {
     if (cd.method == QJL) {  // the surrogate keys, post-RoPE (mean 0, std 1 below: unchanged)
       qjl_surrogate_rows(cd, D, rec + cd.codes_off + (int64_t)slot * cd.code_bytes, X);
     } else {
-      decode_block_at(cd, L, h, rec, slot, X, D, false, tmp, false);
+      decode_block_at(cd, L, h, rec, slot, X, D, false, tmp, cd.half_exact != 0);
     }
     const float* sd = cd.std + hd;
     const float* mn = cd.mean + hd;

@@ -97,8 +97,8 @@ Layout make_layout(const std::vector<int64_t>& li) {
 Codec make_codec(const std::vector<at::Tensor>& ct, const std::vector<int64_t>& ci, const Layout& L) {
   TORCH_CHECK(ct.size() == 11,
               "codec tensors: [cent, centT, mean, std, inv_std, lo, hi, cent16, centK, csq, cmax]");
-  TORCH_CHECK(ci.size() == 13, "codec ints: [method, chunk, bits, kc, code_bytes, codes_off, idx_off, val_off, "
-                                "scales_off, qoff, mean_off, mean_c, group]");
+  TORCH_CHECK(ci.size() == 14, "codec ints: [method, chunk, bits, kc, code_bytes, codes_off, idx_off, val_off, "
+                                "scales_off, qoff, mean_off, mean_c, group, half_exact]");
   for (int i = 0; i < 7; ++i) check_f32(ct[i], "codec tensor");
   TORCH_CHECK(ct[7].scalar_type() == at::kHalf && ct[7].is_contiguous() &&
                   ct[7].numel() == (ci[0] == QJL ? 0 : ct[0].numel()),
@@ -117,6 +117,7 @@ Codec make_codec(const std::vector<at::Tensor>& ct, const std::vector<int64_t>& 
   c.mean_off = ci[10];
   c.mean_c = (int)ci[11];
   c.group = (int)ci[12];
+  c.half_exact = (int)ci[13];
   const int64_t D = L.D, H = L.H;
   TORCH_CHECK(c.method >= 0 && c.method <= QJL, "bad method");
   if (c.method == SCALED) {  // no codebook: the centroid tensors are empty, mean 0 and std 1 (values are raw)
@@ -637,7 +638,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kd, const at::Tens
 // by ke / ve (the exact rows from e0 on: the context's incomplete block, read by the caller before this write may
 // reuse its slots, and the chunk's own).  The same ops in the same order as the three calls, so the same pages and
 // outputs bit for bit; what it saves is their Python glue, ~a third of a prefix-cache hit's short chunk
-// (benchmarks/prefix).  sink_page / ring_page: small pages' exact pages of this request (-1: none).
+// (benchmarks/prefix).  kh / vh: the chunk's K/V in the cache's half dtype, rows strided or not (vLLM's are
+// slices of its QKV projection); sink_page / ring_page: small pages' exact pages of this request (-1: none).
 void prefill_chunk(const at::Tensor& pages, const at::Tensor& q, const at::Tensor& kh, const at::Tensor& vh,
                    const at::Tensor& ke, const at::Tensor& ve, const at::Tensor& positions, const at::Tensor& page_ids,
                    const at::Tensor& block_table, int64_t m, int64_t x0, int64_t e0, int64_t offset,
@@ -649,7 +651,7 @@ void prefill_chunk(const at::Tensor& pages, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(0 <= x0 && x0 <= e0 && e0 <= m, "prefill_chunk: decoded exact rows x0 <= e0 <= m");
   const bool small = sink_page >= 0;
   const auto opt = positions.options().dtype(at::kLong);
-  write_kv(pages, kh, vh, positions.to(at::kLong).contiguous(), page_ids.to(at::kLong).contiguous(), cos, sin, s2,
+  write_kv(pages, kh.contiguous(), vh.contiguous(), positions.to(at::kLong).contiguous(), page_ids.to(at::kLong).contiguous(), cos, sin, s2,
            kt, ki, vt, vi, li, small ? at::full({N}, sink_page, opt) : at::empty({0}, opt),
            small ? at::full({N}, ring_page, opt) : at::empty({0}, opt));
   const std::vector<at::Tensor> kv = gather(pages, block_table, m, cos, sin, kt, ki, vt, vi, li, sink_page, ring_page);

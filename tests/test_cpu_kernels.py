@@ -73,6 +73,31 @@ def _batch(kv, calls, tables, block_size):
     return torch.cat(ks), torch.cat(vs), torch.cat(ps), torch.cat(ids)
 
 
+def test_gather_reads_half_tables_only_where_exact(isa):
+    """The gather decodes from the float16 copy of the centroids (half the bytes) only where it holds them exactly -
+    the artifacts' fp16 centroids - and from the float32 ones otherwise (centroids fitted in this process): K / V
+    bit-identical to the torch path either way."""
+    H, D = 2, 64
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(45, H, D, generator=g) * 2, torch.randn(45, H, D, generator=g)
+    table = torch.tensor([2, 0, 3])
+    for fmt, layer in (("temporalkv-2bit", 1), ("channelkv-4bit", 1), ("temporalkv-2bit", 0)):
+        for nudge in (False, True):
+            lc = make_cache(fmt, D, False, torch.bfloat16, layer, H=H)
+            if nudge:  # float32 centroids that no float16 holds
+                for q in (lc.k, lc.v):
+                    q.codec.centroids = q.codec.centroids.float() * (1 + 2.0 ** -13)
+            assert [cpu._args(lc, H)[i][-1] for i in (1, 3)] == [int(not nudge)] * 2
+            pages = torch.zeros(4, H, lc.layout.bytes, dtype=torch.uint8)
+            ref = pages.clone()
+            args = (k, v, torch.arange(45), table[torch.arange(45) // lc.block_size])
+            paged_torch.write_kv(lc, ref, *args)
+            cpu.write_kv(lc, pages, *args)
+            assert torch.equal(pages, ref)
+            got, want = cpu.gather_kv(lc, pages, table, 40), paged_torch.gather_kv(lc, ref, table, 40)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (fmt, layer, nudge)
+
+
 # ---- nearest ------------------------------------------------------------------------------------
 
 

@@ -170,18 +170,18 @@ def _codec_args(q, lay, kind: str, H: int):
         D = lay.head_dim
         none = torch.empty(0)
         if cl is None:  # QJL's key sketches (cache.blocker(sketches=True)): sketch sizes m, m_o and S^T [D, m]
-            ints = [_QJL, q.m, 1, q.m_o, *offs, 0, 0, 0, 0]
+            ints = [_QJL, q.m, 1, q.m_o, *offs, 0, 0, 0, 0, 0]
             per[key] = ([q.S.t().contiguous(), none, torch.zeros(H, D), torch.ones(H, D), torch.ones(H, D),
                          torch.zeros(H, D), torch.zeros(H, D), none.half(), none, none, none], ints)
             return per[key]
         if cl.kernel_variant is None:  # scaled integer codes (cache.blocker(scaled=True)): no codebook, raw values
             if cl.cpu_scaled == "tada":  # + where the head mean's shares sit, channels per share and per scale group
                 ints = [_TADA, 1, cl.code_bits, cl.n_centroids, *offs, 0, lay.k_mean if kind == "k" else lay.v_mean,
-                        lay.mean_channels, min(cl.scale_group, D)]
+                        lay.mean_channels, min(cl.scale_group, D), 0]
             elif cl.cpu_scaled == "affine":  # + channels per scale group
-                ints = [_AFFINE, 1, cl.code_bits, cl.n_centroids, *offs, 0, 0, 0, min(cl.scale_group, D)]
+                ints = [_AFFINE, 1, cl.code_bits, cl.n_centroids, *offs, 0, 0, 0, min(cl.scale_group, D), 0]
             else:  # selective: + the code of 0
-                ints = [_SCALED, 1, cl.code_bits, cl.n_centroids, *offs, q.codec.qmax + 1, 0, 0, 0]
+                ints = [_SCALED, 1, cl.code_bits, cl.n_centroids, *offs, q.codec.qmax + 1, 0, 0, 0, 0]
             tensors = [none, none, torch.zeros(H, D), torch.ones(H, D), torch.ones(H, D), torch.zeros(H, D),
                        torch.zeros(H, D), none.half(), none, none, none]
             per[key] = (tensors, ints)
@@ -191,10 +191,12 @@ def _codec_args(q, lay, kind: str, H: int):
         cent = f32(codec._check_fitted())
         variant = cl.kernel_variant  # from the code layout's geometry (layout.CodeLayout)
         scalar = variant == KERNEL_SCALAR
-        ints = [variant, 1 if scalar else codec.chunk, (codec.n_centroids - 1).bit_length() if scalar else 8,
-                codec.n_centroids, *offs, 0, 0, 0, 0]
         # float16 copy: the attention kernel's lookup tables (half the cache footprint; artifacts store
-        # fp16 centroids, so this is exact for them); gather and encode use the float32 ones
+        # fp16 centroids, so this is exact for them); the encode uses the float32 ones, the gather (bit-exact) the
+        # float16 ones only where they are exact (half_exact: the last int)
+        half_exact = int(torch.equal(cent.half().float(), cent))
+        ints = [variant, 1 if scalar else codec.chunk, (codec.n_centroids - 1).bit_length() if scalar else 8,
+                codec.n_centroids, *offs, 0, 0, 0, 0, half_exact]
         tensors = [cent, cent.transpose(2, 3).contiguous(), f32(s.mean), f32(s.std), f32(s.inv_std), f32(s.lo),
                    f32(s.hi), cent.half().contiguous(),
                    # scalar method: [H, KC, D], a codebook entry of every channel side by side (vector loads)
@@ -471,7 +473,7 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
                                    attend_fast=attend_fast if not batch_invariant and attends(lc)
                                    and pages.device.type == "cpu" else None)
     window = lc.layout.window and exact is None
-    if not encodes(lc, pages) and not window:  # read here, written by the torch path: attend first, then
+    if not _static_support(lc)[1] and not window:  # read here, written by the torch path: attend first, then
         out = paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out,
                               False, exact)  # the torch update (write_kv_window with a recent window)
         if lc.layout.window:
@@ -574,7 +576,7 @@ def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: floa
     if not w and not use_flash_prefill(q.dtype):  # write, gather and attend in one C++ call (the same ops)
         cos, sin = rope_tables(lc.rope, n)[:2]
         sink, ring = (-1, -1) if exact is None else exact[1:]
-        _C.prefill_chunk(pages, q, k.to(lc.store_dtype).contiguous(), v.to(lc.store_dtype).contiguous(), ke, ve,
+        _C.prefill_chunk(pages, q, k.to(lc.store_dtype), v.to(lc.store_dtype), ke, ve,
                          positions, page_ids, _i32(table), m, x, e0, ctx, cos, sin, float(lc.rope.scale) ** 2,
                          *_args(lc, k.shape[1]), sink, ring, float(scale), out, _bf16_scores(q.dtype, lc.dtype))
         return

@@ -311,6 +311,7 @@ class TemporalKVImpl(AttentionImpl):
         self._hf_config = cfg.model_config.hf_config
         self._artifact = load_artifact(cfg)  # immutable, cached per (path, model) in the process; None: not needed
         self._lc: LayerCache | None = None  # this layer's codebooks and page layout
+        self._pages = None  # (vLLM's KV cache tensor of this layer, its pages view): built once
         self._exact_view = None  # small pages: ((the companion's pages' address, shape), their exact-pages view)
 
     def page_layout(self, index: int, block_size: int | None = None) -> PageLayout:
@@ -354,7 +355,9 @@ class TemporalKVImpl(AttentionImpl):
         m: TemporalKVMetadata = attn_metadata
         n = m.num_actual_tokens
         lc = self._layer_cache(layer, kv_cache.device)
-        pages = compat.pages_view(kv_cache)
+        if self._pages is None or self._pages[0] is not kv_cache:  # (vLLM's KV cache tensor: one per layer, kept)
+            self._pages = (kv_cache, compat.pages_view(kv_cache))
+        pages = self._pages[1]
         q = query[:n].view(n, self.num_heads, self.head_size)
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
@@ -373,9 +376,9 @@ class TemporalKVImpl(AttentionImpl):
         if got is None or got[1] is None:
             raise TemporalKVConfigError(f"{layer.layer_name}: small pages, but vLLM built no exact-page metadata for "
                                         "this step (is the hybrid KV-cache manager on?)")
-        epages, meta = got
-        key = (epages.data_ptr(), epages.shape)
+        ecache, meta = got
+        key = (ecache.data_ptr(), ecache.shape)
         if self._exact_view is None or self._exact_view[0] != key:
             # the companion's pages stay where they are once allocated: their view built once, not per layer step
-            self._exact_view = (key, exact_view(lc.layout, epages, lc.store_dtype))
+            self._exact_view = (key, exact_view(lc.layout, compat.pages_view(ecache), lc.store_dtype))
         return ExactPages(self._exact_view[1], meta.block_table)

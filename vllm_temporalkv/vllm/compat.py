@@ -493,7 +493,8 @@ def attach_exact_layers(wants) -> None:
 
 
 def exact_metadata(layer) -> tuple[Any, Any] | None:
-    """(the companion's pages [pages, H, record] uint8, its step metadata) of one of our layers serving small pages."""
+    """(the companion's KV cache as vLLM allocated it - ``pages_view`` makes it [pages, H, record] uint8 - and its
+    step metadata) of one of our layers serving small pages."""
     from vllm.forward_context import get_forward_context
 
     comp = layer.__dict__.get("_temporalkv_exact")
@@ -502,4 +503,4 @@ def exact_metadata(layer) -> tuple[Any, Any] | None:
     meta = get_forward_context().attn_metadata
     if isinstance(meta, list):  # micro-batches: not with this backend
         raise NotImplementedError("vllm-temporalkv small pages: micro-batching is not supported")
-    return pages_view(comp.kv_cache), (meta or {}).get(comp.layer_name)
+    return comp.kv_cache, (meta or {}).get(comp.layer_name)
