@@ -7,7 +7,9 @@
 A shared-prefix workload as users send it: a P-token prefix of real text (Jane Austen, P in 256 / 600 / 2000 by
 default) followed by N distinct questions, sent one after another over the OpenAI API (completions of token ids,
 streamed, greedy) to a real `vllm serve` with prefix caching on; every configuration gets the same prompts in the
-same order, after one unrelated warm-up request.  Per configuration and P: vLLM's own prefix-cache hit rate
+same order, after one unrelated warm-up request; the configurations take turns --rounds times (3 by default), a
+fresh server each, and each one's requests are pooled over its rounds (a slow spell of a shared machine, which can
+slow it ~1.5x for minutes, then falls on every configuration alike).  Per configuration and P: vLLM's own prefix-cache hit rate
 (``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries`` from /metrics, over the N requests), the hit rate
 whole pages of that size could give at most, time to first token (the first request, which cannot hit, and the
 mean of the others, which can) and the total time; the KV capacity and page size the server reports.  A
@@ -41,9 +43,9 @@ HEADER = "The following is an excerpt from a novel by Jane Austen.\n\n"
 FULL = {"configs": ["auto", "temporalkv-2bit", "temporalkv-2bit@big", "temporalkv-2bit@block256",
                     "temporalkv-2bit@block64"],
         "prefix_lens": [256, 600, 2000], "requests": 8, "question_tokens": 24, "max_tokens": 16,
-        "max_model_len": 4096}
+        "max_model_len": 4096, "rounds": 3}
 SMALL = {"configs": ["auto", "temporalkv-2bit"], "prefix_lens": [300], "requests": 3, "question_tokens": 12,
-         "max_tokens": 4, "max_model_len": 1024}
+         "max_tokens": 4, "max_model_len": 1024, "rounds": 1}
 
 
 def parse_config(name: str) -> tuple[str, list[str]]:
@@ -143,6 +145,27 @@ def run_config(a, name: str, workload: dict[int, list[list[int]]], warm: list[in
     return rec
 
 
+def merge_rounds(recs: list[dict]) -> dict:
+    """One configuration's record over its rounds (each a fresh server): the requests of every round pooled - hits and
+    queries summed, TTFTs averaged over all of them, each round's own later-request mean kept beside."""
+    if len(recs) == 1 or any("prefixes" not in r for r in recs):
+        return next((r for r in recs if "prefixes" not in r), recs[0])
+    out = {**recs[0], "rounds": len(recs), "start_s": max(r["start_s"] for r in recs),
+           "load_before": recs[0]["load_before"], "load_after": recs[-1]["load_after"], "prefixes": {}}
+    for P, x0 in recs[0]["prefixes"].items():
+        xs = [r["prefixes"][P] for r in recs]
+        q, h = sum(x["queries"] for x in xs), sum(x["hits"] for x in xs)
+        warm = [r["ttft_s"] for x in xs for r in x["requests"][1:]]
+        out["prefixes"][P] = {
+            "queries": q, "hits": h, "hit_rate": h / q if q else 0.0, "max_hit_rate": x0["max_hit_rate"],
+            "ttft_first_s": statistics.mean(x["ttft_first_s"] for x in xs),
+            "ttft_warm_mean_s": statistics.mean(warm), "ttft_warm_median_s": statistics.median(warm),
+            "ttft_warm_mean_s_rounds": [x["ttft_warm_mean_s"] for x in xs],
+            "total_s": round(statistics.mean(x["total_s"] for x in xs), 3),
+            "requests": [r for x in xs for r in x["requests"]], "answers": x0["answers"]}
+    return out
+
+
 def add_ratios(rep: dict) -> None:
     auto = rep["configs"].get("auto", {}).get("prefixes", {})
     for r in rep["configs"].values():
@@ -158,7 +181,8 @@ def write_markdown(rep: dict, path: Path) -> None:
              *[f"Command: `{c}`  " for c in sorted({r.get("command", run["command"]) for r in rep["configs"].values()})],
              f"Machine: {run['machine']['cpu']}, {run['machine']['cpu_count']} CPUs, "
              f"{run['time']}; model dtype {s['dtype']}; {s['requests']} requests per prefix, one after another, "
-             f"{s['max_tokens']} tokens each, streamed; {s['kv_space_gib']} GiB of KV memory", "",
+             f"{s['max_tokens']} tokens each, streamed; {s['kv_space_gib']} GiB of KV memory; "
+             f"{s.get('rounds', 1)} round(s) over the configurations in turn, a fresh server each", "",
              "| config | page | KV tokens | P | hit rate | at most | TTFT first (s) | TTFT later (s) | ÷ auto | total (s) | "
              "load 1-min |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rep["configs"].items():
@@ -172,8 +196,8 @@ def write_markdown(rep: dict, path: Path) -> None:
                          f"{r['load_before']:.1f} → {r['load_after']:.1f} |")
     lines += ["", "hit rate: vLLM's prefix-cache hits ÷ queries (prompt tokens) over the P's requests, the first "
               "included; at most: what whole pages of that size could hit. TTFT later: the mean over the requests after "
-              "the first (those that can hit); ÷ auto: that mean over auto's. A page is reused only when whole: a "
-              "prefix shorter than one page never hits."]
+              "the first (those that can hit), over every round; ÷ auto: that mean over auto's. A page is reused only when "
+              "whole: a prefix shorter than one page never hits."]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -218,6 +242,8 @@ def main(argv=None):
     p.add_argument("--question-tokens", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--rounds", type=int, default=None, help="rounds over the configurations, in turn (a fresh server "
+                   "each): a machine's slow spells then fall on every configuration alike (default 3; --smoke 1)")
     p.add_argument("--kv-space-gib", type=int, default=1)
     p.add_argument("--artifact", default=None, help="calibration artifact (default: the model's, calibrated on "
                    "first use as `vllm-temporalkv serve` does)")
@@ -237,7 +263,7 @@ def main(argv=None):
             common.ensure_calibrated(a.model, fmt)
     warm, workload = prompts(a.model, a.prefix_lens, a.requests, a.question_tokens)
     settings = {k: getattr(a, k) for k in ("name", "prefix_lens", "requests", "question_tokens", "max_tokens",
-                                           "max_model_len", "kv_space_gib", "dtype", "enforce_eager")}
+                                           "max_model_len", "kv_space_gib", "dtype", "enforce_eager", "rounds")}
     out = Path(a.out)
     stem = "prefix" if a.name == DEFAULT_NAME else f"prefix-{a.name}"  # each machine / model its own files
     rep = {"settings": settings, "configs": {}}
@@ -246,8 +272,12 @@ def main(argv=None):
         if prev.get("settings") == settings:
             rep["configs"] = {n: {"command": prev["run"]["command"], **r} for n, r in prev["configs"].items()
                               if "error" not in r and n not in a.configs}
+    runs = {name: [] for name in a.configs}
+    for _ in range(a.rounds):  # every configuration once per round, in turn
+        for name in a.configs:
+            runs[name].append(run_config(a, name, workload, warm))
     for name in a.configs:
-        rep["configs"][name] = {**run_config(a, name, workload, warm), "command": common.run_record()["command"]}
+        rep["configs"][name] = {**merge_rounds(runs[name]), "command": common.run_record()["command"]}
     rep["run"] = common.run_record()
     add_ratios(rep)
     common.write_json(out / f"{stem}.json", rep)
