@@ -164,6 +164,20 @@ def test_sketch_rows_orthogonal_within_blocks_as_in_the_official_code():
     assert torch.equal(qjl.sketch_matrix(D, m, seed=4, orthogonal=False), proj.t())
 
 
+def test_pack_bit_order_every_byte():
+    """_pack: bit j of byte i is entry 8i+j, for every one of the 256 byte patterns, in any leading shape and from a
+    view at an odd offset; unpack_signs inverts it."""
+    pats = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # [256, 8]: pattern p's bits
+    want = torch.arange(256).to(torch.uint8)[:, None]  # [256, 1]: one byte each
+    assert torch.equal(qjl._pack(pats), want)
+    x = pats[torch.randperm(256, generator=torch.Generator().manual_seed(0))].reshape(4, 8, 64)
+    ref = (x.reshape(4, 8, 8, 8).to(torch.uint8) * (2 ** torch.arange(8)).to(torch.uint8)).sum(-1, dtype=torch.uint8)
+    assert torch.equal(qjl._pack(x), ref)
+    odd = torch.cat([torch.zeros(3, dtype=torch.bool), x.flatten()])[3:].view(4, 8, 64)  # storage offset 3
+    assert odd.storage_offset() == 3 and torch.equal(qjl._pack(odd), ref)
+    assert torch.equal(qjl.unpack_signs(qjl._pack(x)) > 0, x)
+
+
 def test_outlier_channels_top_l2_per_head_and_token_group():
     T, H, D = 64, 2, 8
     k = torch.full((T, H, D), 0.01)

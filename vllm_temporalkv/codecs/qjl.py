@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 from typing import NamedTuple
 
 import torch
@@ -86,8 +87,11 @@ def select_outlier_channels(k: torch.Tensor, n_outliers: int = N_OUTLIERS,
         raise ValueError(f"QJL keys come in whole groups of {group_size} tokens, got T={T}")
     if not 0 <= n_outliers <= min(D, 256):
         raise ValueError(f"n_outliers={n_outliers} must be in [0, min(D, 256)]")
-    norms = k.float().reshape(T // group_size, group_size, H, D).norm(dim=1)  # [nG, H, D]
-    order = torch.sort(norms, dim=-1, descending=True, stable=True).indices
+    kf = k.float().reshape(T // group_size, group_size, H, D)
+    # squared L2 norms [nG, H, D]: the norms' order (torch's norm over a dimension that is not the last one ran ~45x
+    # slower on the CPU: 3.2 ms of a 2048-token chunk's 17 ms key encode, on 2 cores)
+    sq = (kf * kf).sum(dim=1)
+    order = torch.sort(sq, dim=-1, descending=True, stable=True).indices
     return order[..., :n_outliers].to(torch.uint8)
 
 
@@ -99,10 +103,20 @@ def outlier_mask(outlier_idx: torch.Tensor, head_dim: int, group_size: int = OUT
     return m.repeat_interleave(group_size, dim=0)
 
 
+_GATHER_BITS = 0x0102040810204080  # byte j (0 or 1) of a little-endian int64 times this: bit j of its top byte
+
+
 def _pack(positive: torch.Tensor) -> torch.Tensor:
-    """bool [..., m] -> uint8 [..., m/8]; bit j of byte i is entry 8i+j (the official kernel's order)."""
-    w = (2 ** torch.arange(8, device=positive.device)).to(torch.uint8)
-    return (positive.reshape(*positive.shape[:-1], -1, 8).to(torch.uint8) * w).sum(-1, dtype=torch.uint8)
+    """bool [..., m] -> uint8 [..., m/8]; bit j of byte i is entry 8i+j (the official kernel's order).  Each 8 bools
+    are read as one little-endian int64 (bytes 0 / 1) and one multiply moves byte j's bit to bit 56 + j, with no
+    carries (~10x faster than a weighted sum of uint8s on the CPU)."""
+    v = positive.reshape(*positive.shape[:-1], -1, 8).contiguous().view(torch.uint8)
+    if v.storage_offset() % 8:  # (a view of a larger tensor: int64 reads need 8-byte alignment)
+        v = v.clone()
+    if sys.byteorder != "little" or v.device.type not in ("cpu", "cuda"):
+        w = (2 ** torch.arange(8, device=positive.device)).to(torch.uint8)
+        return (v * w).sum(-1, dtype=torch.uint8)
+    return ((v.view(torch.int64)[..., 0] * _GATHER_BITS) >> 56).to(torch.uint8)
 
 
 def unpack_signs(bits: torch.Tensor) -> torch.Tensor:
