@@ -492,9 +492,10 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
     for r in rest:
         a, b = qsl[r], qsl[r + 1]
         ex = None if exact is None else exact.request_pages(r)
-        if a == 0 and b == N == positions.shape[0] == page_ids.shape[0]:  # the step's only request (a prefix
+        if a == 0 and b == N == positions.shape[0] == page_ids.shape[0]:  # the step's only request (a prefix-cache
+            # hit's chunk, a prompt's): the tensors as they are, no slices
             _prefill(lc, pages, query, key, value, positions, page_ids, block_tables[r], lens[r], scale, out, ex)
-        else:  # hit's chunk, a prompt's): no slices
+        else:
             _prefill(lc, pages, query[a:b], key[a:b], value[a:b], positions[a:b], page_ids[a:b], block_tables[r],
                      lens[r], scale, out[a:b], ex)
     if rows is not None and not rows.numel():  # prefill chunks only: each wrote its own tokens
