@@ -651,8 +651,9 @@ void prefill_chunk(const at::Tensor& pages, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(0 <= x0 && x0 <= e0 && e0 <= m, "prefill_chunk: decoded exact rows x0 <= e0 <= m");
   const bool small = sink_page >= 0;
   const auto opt = positions.options().dtype(at::kLong);
-  write_kv(pages, kh.contiguous(), vh.contiguous(), positions.to(at::kLong).contiguous(), page_ids.to(at::kLong).contiguous(), cos, sin, s2,
-           kt, ki, vt, vi, li, small ? at::full({N}, sink_page, opt) : at::empty({0}, opt),
+  write_kv(pages, kh.contiguous(), vh.contiguous(), positions.to(at::kLong).contiguous(),
+           page_ids.to(at::kLong).contiguous(), cos, sin, s2, kt, ki, vt, vi, li,
+           small ? at::full({N}, sink_page, opt) : at::empty({0}, opt),
            small ? at::full({N}, ring_page, opt) : at::empty({0}, opt));
   const std::vector<at::Tensor> kv = gather(pages, block_table, m, cos, sin, kt, ki, vt, vi, li, sink_page, ring_page);
   const bool mixed = e0 > x0;  // the sinks a query before position 8 reads exactly are decoded rows here

@@ -106,8 +106,8 @@ class TemporalKVBackend(AttentionBackend):
             return None
         fixes = {
             "block_size not supported": f"--block-size must be a multiple of {BLOCK_TOKENS} and at least "
-                                        f"{2 * BLOCK_TOKENS} (leave it out: small pages of {SMALL_BLOCK_SIZE} "
-                                        f"on the CPU, else {DEFAULT_BLOCK_SIZE})",
+                                        f"{2 * BLOCK_TOKENS} (leave it out: small pages on the CPU, {SMALL_BLOCK_SIZE} "
+                                        f"tokens or 128 for 1-bit codes; else {DEFAULT_BLOCK_SIZE})",
             "dtype not supported": f"the model runs in {str(selector_config.dtype).removeprefix('torch.')}; "
                                    "use --dtype bfloat16, float16 or float32",
         }
@@ -312,7 +312,7 @@ class TemporalKVImpl(AttentionImpl):
         self._artifact = load_artifact(cfg)  # immutable, cached per (path, model) in the process; None: not needed
         self._lc: LayerCache | None = None  # this layer's codebooks and page layout
         self._pages = None  # (vLLM's KV cache tensor of this layer, its pages view): built once
-        self._exact_view = None  # small pages: ((the companion's pages' address, shape), their exact-pages view)
+        self._exact_view = None  # small pages: (the companion's KV cache tensor, its exact-pages view)
 
     def page_layout(self, index: int, block_size: int | None = None) -> PageLayout:
         """Layer ``index``'s pages: a mixed format serves each layer as one of its parts (its codebooks, pages,
@@ -377,8 +377,7 @@ class TemporalKVImpl(AttentionImpl):
             raise TemporalKVConfigError(f"{layer.layer_name}: small pages, but vLLM built no exact-page metadata for "
                                         "this step (is the hybrid KV-cache manager on?)")
         ecache, meta = got
-        key = (ecache.data_ptr(), ecache.shape)
-        if self._exact_view is None or self._exact_view[0] != key:
-            # the companion's pages stay where they are once allocated: their view built once, not per layer step
-            self._exact_view = (key, exact_view(lc.layout, compat.pages_view(ecache), lc.store_dtype))
+        if self._exact_view is None or self._exact_view[0] is not ecache:
+            # the companion's KV cache tensor is kept once allocated: its view built once, not per layer step
+            self._exact_view = (ecache, exact_view(lc.layout, compat.pages_view(ecache), lc.store_dtype))
         return ExactPages(self._exact_view[1], meta.block_table)
