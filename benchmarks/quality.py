@@ -38,8 +38,8 @@ from tqdm import tqdm
 from vllm_temporalkv.artifact import Artifact, default_artifact_path
 from vllm_temporalkv.formats import FORMATS, get_format
 from vllm_temporalkv.harness.seeds import SEED_CONFIGS, SeedSimulator, is_mixed, is_seed_config, tada_layer_bits
-from vllm_temporalkv.harness.simulate import (KV_DTYPE, Simulator, ablation_parts, parse_config, window_nll,
-                                              window_of)
+from vllm_temporalkv.harness.simulate import (KV_DTYPE, Simulator, ablation_parts, parse_config, sinks_of,
+                                              window_nll, window_of)
 from vllm_temporalkv.layout import bits_per_float
 
 from .common import add_headline_arg, add_out_arg, merge_headline, run_record, write_json
@@ -178,7 +178,8 @@ def run(args) -> dict:
             fmt, outliers, ablation = parse_config(name)
             parts = [get_format(p) for p in art.layer_formats(fmt)] if fmt and get_format(fmt).mix else None
             bits = (bits_per_float(get_format(fmt), fp["head_dim"], args.seq_len, outliers, window_of(fmt, ablation),
-                                   num_kv_heads=fp["num_kv_heads"], num_layers=fp["num_layers"], layer_formats=parts)
+                                   num_kv_heads=fp["num_kv_heads"], num_layers=fp["num_layers"], layer_formats=parts,
+                                   sinks=sinks_of(ablation))
                     if fmt else {"total": 16.0})
             if parts:
                 extra = {"layer_formats": [p.name for p in parts]}

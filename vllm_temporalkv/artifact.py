@@ -133,6 +133,12 @@ class Artifact:
     def num_layers(self) -> int:
         return self.fingerprint["num_layers"]
 
+    @property
+    def key_rotation(self) -> str | None:
+        """The rotation the key codebooks were fitted under (``calibrate --key-rotation``, codecs/rotation.py), or
+        None: decoded keys must be rotated back before RoPE."""
+        return self.calibration.get("key_rotation")
+
     # ---- save / load -------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         from safetensors.torch import save_file

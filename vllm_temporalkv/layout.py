@@ -28,14 +28,16 @@ def outlier_bits_per_float(head_dim: int) -> float:
 
 def bits_per_float(fmt: KVFormat, head_dim: int, context: int, outliers: bool = False,
                    window: int | None = None, num_kv_heads: int | None = None,
-                   num_layers: int | None = None, layer_formats: list[KVFormat] | None = None) -> dict[str, float]:
+                   num_layers: int | None = None, layer_formats: list[KVFormat] | None = None,
+                   sinks: int | None = None) -> dict[str, float]:
     """Average bits per cached K/V float for one sequence of ``context`` tokens (the sequence's own
     cost: a page's fixed region is PageLayout's business).  ``num_kv_heads``: for formats that share a
     per-token mean across the KV heads (TaDA); ``num_layers``: for formats whose pages differ per layer (QJL:
-    the average over the layers); ``layer_formats``: a mixed format's part in each layer (Artifact.layer_formats)."""
+    the average over the layers); ``layer_formats``: a mixed format's part in each layer (Artifact.layer_formats);
+    ``sinks``: exact first tokens other than SINK_TOKENS (the quality harness's ``@sinksN``)."""
     window = fmt.window if window is None else window
     cl = fmt.part("k").code_layout  # (the head means of TaDA, whose K and V alike)
-    n_sink = min(SINK_TOKENS, context)
+    n_sink = min(SINK_TOKENS if sinks is None else sinks, context)
     tail = min(window + (BLOCK_TOKENS - 1) / 2, max(0, context - n_sink))
     coded = max(0.0, context - n_sink - tail)
     if fmt.mix and not layer_formats:

@@ -18,13 +18,15 @@ import torch
 from vllm_temporalkv.artifact import Artifact
 from vllm_temporalkv.cache import model_quantizers
 from vllm_temporalkv.codecs import calibration_free_quantizers
+from vllm_temporalkv.codecs.rotation import rotate
 from vllm_temporalkv.formats import get_format
 from vllm_temporalkv.hf_hooks import kv_output_hooks
 
 KV_DTYPE = torch.bfloat16
 
 
-_ABLATION_PART = re.compile(r"unweighted|sinks-compressed|pure-temporal|keys-only|values-only|window\d+|layers\d+-\d+")
+_ABLATION_PART = re.compile(
+    r"unweighted|sinks-compressed|sinks\d+|pure-temporal|keys-only|values-only|window\d+|layers\d+-\d+")
 
 
 def ablation_parts(ablation: str | None) -> list[str]:
@@ -33,8 +35,8 @@ def ablation_parts(ablation: str | None) -> list[str]:
     parts = [p for p in (ablation or "").split("+") if p]
     bad = [p for p in parts if not _ABLATION_PART.fullmatch(p)]
     if bad:
-        raise ValueError(f"unknown ablation {'+'.join(bad)!r}; known: unweighted, sinks-compressed, pure-temporal, "
-                         "keys-only, values-only, windowN, layersA-B (joined with '+')")
+        raise ValueError(f"unknown ablation {'+'.join(bad)!r}; known: unweighted, sinks-compressed, sinksN, "
+                         "pure-temporal, keys-only, values-only, windowN, layersA-B (joined with '+')")
     return parts
 
 
@@ -44,6 +46,17 @@ def window_of(fmt: str, ablation: str | None) -> int:
         if p.startswith("window"):
             return int(p.removeprefix("window"))
     return get_format(fmt).window
+
+
+def sinks_of(ablation: str | None) -> int | None:
+    """The exact first tokens a configuration keeps: ``@sinksN`` (a remedy: more attention sinks), 0 with
+    ``@sinks-compressed``, else None (the format's SINK_TOKENS)."""
+    for p in ablation_parts(ablation):
+        if p == "sinks-compressed":
+            return 0
+        if p.startswith("sinks"):
+            return int(p.removeprefix("sinks"))
+    return None
 
 
 def layers_of(ablation: str | None) -> range | None:
@@ -79,7 +92,8 @@ class Simulator:
         fmt, outliers, ablation = parse_config(name)
         self.protocol = protocol
         parts = ablation_parts(ablation)
-        self.sinks = 0 if "sinks-compressed" in parts else None
+        self.sinks = sinks_of(ablation)
+        self.key_rotation = None  # an artifact fitted on rotated keys (codecs/rotation.py): rotate, code, rotate back
         # the diagnosis of where a format loses: only keys or only values compressed, the other half exact
         self.exact_kind = {"keys-only": "v", "values-only": "k"}.get(next((p for p in parts if p.endswith("-only")), None))
         self.layers = layers_of(ablation)  # per-layer sensitivity: one layer group compressed at a time
@@ -102,6 +116,7 @@ class Simulator:
             if "pure-temporal" in parts:
                 methods = {kv: ["temporal"] * art.num_layers for kv in "kv"}
             self.qs = model_quantizers(fmt, src, outliers=outliers, methods=methods)
+            self.key_rotation = src.key_rotation
 
     def bind(self, hf_config) -> None:
         """The model's facts a per-layer format needs (token_nlls calls it): QJL's quantizers per layer."""
@@ -121,7 +136,11 @@ class Simulator:
             kw = {} if self.sinks is None else {"sinks": self.sinks}
             # causal: every whole block decoded (which ones a query sees exactly is causal_attention's business)
             kw["window"] = self.window if self.protocol == "thesis" else 0
-            xq = torch.stack([q.fake_quant(x[b], **kw) for b in range(x.shape[0])])
+            rot = self.key_rotation if kind == "k" else None
+            # rotated in float32 both ways, so the exact tokens (sinks, tail) come back as they were
+            xr = x.float() if rot else x
+            xq = torch.stack([q.fake_quant(rotate(xr[b], rot), **kw) for b in range(x.shape[0])])
+            xq = rotate(xq, rot, inverse=True).to(KV_DTYPE)
             if self.protocol == "causal":
                 self.stash[(layer, kind)] = xq.to(out.dtype)
             else:

@@ -40,7 +40,8 @@ import logging
 import os
 from pathlib import Path
 
-from ..artifact import ENV_ARTIFACT, Artifact, default_artifact_path, model_fingerprint
+from ..artifact import (ENV_ARTIFACT, Artifact, ArtifactError, calibrate_hint, default_artifact_path,
+                        model_fingerprint)
 from ..formats import FormatError, check_window, get_format
 
 logger = logging.getLogger("vllm.temporalkv")  # under vLLM's logger, so its handlers print it
@@ -184,7 +185,13 @@ def serving_options(vllm_config) -> dict:
 
 @functools.lru_cache(maxsize=4)
 def _load(path: str, fingerprint_json: str, fmt: str, model: str) -> Artifact:
-    return Artifact.load(path, expect=json.loads(fingerprint_json), formats=[fmt], model_hint=model)
+    art = Artifact.load(path, expect=json.loads(fingerprint_json), formats=[fmt], model_hint=model)
+    if art.key_rotation:  # the kernels decode keys in the calibration's own coordinates: they would be wrong
+        raise ArtifactError(
+            f"calibration artifact {path} was fitted on rotated keys (--key-rotation {art.key_rotation}), a research "
+            "option only the quality harness simulates: the served kernels do not rotate keys back. Serve an "
+            f"artifact calibrated without it: {calibrate_hint(model, path)}")
+    return art
 
 
 def load_artifact(vllm_config) -> Artifact | None:

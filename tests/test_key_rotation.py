@@ -1,0 +1,108 @@
+"""Key rotation (codecs/rotation.py, ``calibrate --key-rotation``) and more sinks (``@sinksN``): the two 2-bit
+remedies the quality harness simulates on real calibrations of SmolLM2."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from vllm_temporalkv.artifact import Artifact, ArtifactError, model_fingerprint
+from vllm_temporalkv.calibration import run as calibrate
+from vllm_temporalkv.codecs.rotation import rotate, rotation_matrix
+from vllm_temporalkv.formats import SINK_TOKENS, get_format
+from vllm_temporalkv.layout import bits_per_float
+
+
+@pytest.mark.parametrize("dim", [64, 128, 96])
+def test_rotation_is_orthogonal_and_fixed(dim):
+    r = rotation_matrix("hadamard", dim)
+    assert torch.allclose(r @ r.T, torch.eye(dim), atol=1e-5)
+    assert torch.equal(r, rotation_matrix.__wrapped__("hadamard", dim))  # the same matrix in every process
+    if dim & (dim - 1) == 0:  # a randomized Hadamard: every entry +-1/sqrt(D), signs not all equal
+        assert torch.allclose(r.abs(), torch.full_like(r, dim**-0.5))
+        assert (r[0] > 0).any() and (r[0] < 0).any()
+    x = torch.randn(5, 3, dim)
+    assert torch.allclose(rotate(rotate(x, "hadamard"), "hadamard", inverse=True), x, atol=1e-5)
+    assert rotate(x, None) is x
+    with pytest.raises(ValueError, match="not one of hadamard"):
+        rotation_matrix("givens", dim)
+
+
+def test_rotated_calibration_reuses_the_collection_and_rotates_keys_only(smollm2_dir, tmp_path, monkeypatch):
+    """A stopped run's collection serves a rotated run (the rotation acts at the fit); the rotated artifact's key
+    statistics are the plain ones rotated (the mean is linear), its value statistics the plain ones; the harness
+    codes keys in the rotated coordinates and gives the sinks back exactly; the server refuses the artifact."""
+    from vllm_temporalkv.calibration import collect
+    from vllm_temporalkv.harness.simulate import Simulator
+    from vllm_temporalkv.vllm import options
+
+    real_fit, real_collect = calibrate.fit_layer, collect.collect_kv_grads
+    calls, logs = [], []
+
+    def failing(layer, *a, **kw):
+        if layer == 2:
+            raise KeyboardInterrupt
+        return real_fit(layer, *a, **kw)
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real_collect(*a, **kw)
+
+    kw = dict(model=str(smollm2_dir), formats=["temporalkv-2bit"], num_samples=1, seq_len=128, iters=2,
+              progress=False, log=logs.append, attention="sdpa")
+    out = tmp_path / "rot.safetensors"
+    monkeypatch.setattr(collect, "collect_kv_grads", counting)
+    monkeypatch.setattr(calibrate, "fit_layer", failing)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate.run_calibration(output=out, **kw)
+    monkeypatch.setattr(calibrate, "fit_layer", real_fit)
+    rot = calibrate.run_calibration(output=out, key_rotation="hadamard", **kw)
+    assert len(calls) == 1, "the collection was redone for a key rotation"
+    assert any("discarding its 2 fitted layers" in m for m in logs), logs
+    plain = calibrate.run_calibration(output=tmp_path / "plain.safetensors", **kw)
+    assert rot.key_rotation == "hadamard" and plain.key_rotation is None
+    assert Artifact.load(out).key_rotation == "hadamard"  # kept in the file
+    r = rotation_matrix("hadamard", 64)
+    for layer in (0, 17):
+        assert torch.allclose(rot.stats[(layer, "k")].mean, plain.stats[(layer, "k")].mean @ r, atol=1e-4)
+        assert torch.equal(rot.stats[(layer, "v")].mean, plain.stats[(layer, "v")].mean)
+        assert not torch.allclose(rot.stats[(layer, "k")].std, plain.stats[(layer, "k")].std, rtol=1e-2)
+    with pytest.raises(ValueError, match="--key-rotation"):
+        calibrate.run_calibration(output=tmp_path / "x.safetensors", key_rotation="givens", **kw)
+
+    # the harness: keys coded rotated and rotated back (close to the input, sinks exact), values as plain
+    x = plain.stats[(5, "k")].mean + plain.stats[(5, "k")].std * torch.randn(1, 64, 3, 64)
+    xb = x.bfloat16().float()
+    y_rot = Simulator("temporalkv-2bit", rot, None)(5, "k", x)
+    y_plain = Simulator("temporalkv-2bit", plain, None)(5, "k", x)
+    assert torch.equal(y_rot[0, :SINK_TOKENS], xb[0, :SINK_TOKENS])
+    err_rot, err_plain = ((y_rot - xb)[0, SINK_TOKENS:] ** 2).mean(), ((y_plain - xb)[0, SINK_TOKENS:] ** 2).mean()
+    assert 0 < err_rot < 4 * err_plain and not torch.equal(y_rot, y_plain), (err_rot, err_plain)
+    v = torch.randn(1, 64, 3, 64)
+    rv = Simulator("temporalkv-2bit", rot, None)(5, "v", v)
+    unrotated = dataclasses.replace(rot, calibration={})
+    assert torch.equal(rv, Simulator("temporalkv-2bit", unrotated, None)(5, "v", v))
+
+    fp = json.dumps(model_fingerprint(json.loads((smollm2_dir / "config.json").read_text())), sort_keys=True)
+    with pytest.raises(ArtifactError, match="rotated keys .*--key-rotation hadamard"):
+        options._load(str(out), fp, "temporalkv-2bit", str(smollm2_dir))
+    options._load(str(tmp_path / "plain.safetensors"), fp, "temporalkv-2bit", str(smollm2_dir))
+
+
+def test_more_sinks_in_the_bits_and_the_hook(tiny_artifact):
+    """``@sinksN``: the first N tokens exact in the hook and counted at 16 bits in the all-in bits."""
+    from vllm_temporalkv.harness.simulate import Simulator, sinks_of
+
+    fmt = get_format("temporalkv-2bit")
+    base, more = bits_per_float(fmt, 64, 2048), bits_per_float(fmt, 64, 2048, sinks=32)
+    assert base["sinks"] == 16 * SINK_TOKENS / 2048 and more["sinks"] == 16 * 32 / 2048
+    assert more["total"] > base["total"] and more["codes"] < base["codes"]
+    assert sinks_of("sinks32+keys-only") == 32 and sinks_of("sinks-compressed") == 0 and sinks_of(None) is None
+    art = Artifact.load(tiny_artifact)
+    x = torch.randn(1, 96, 3, 64)
+    xb = x.bfloat16().float()
+    y = Simulator("temporalkv-2bit@sinks32", art, None)(4, "k", x)
+    assert torch.equal(y[0, :32], xb[0, :32]) and not torch.equal(y[0, 32:48], xb[0, 32:48])
