@@ -60,10 +60,11 @@ def model_tag(model: str | None) -> str:
     return "".join(c if c.isalnum() or c in ".-_" else "-" for c in name)
 
 
-def config_names(formats: list[str], ablations: bool, have_unweighted: bool, seeds: tuple[str, ...] = ()) -> list[str]:
+def config_names(formats: list[str], ablations: bool, have_unweighted: bool, seeds: tuple[str, ...] = (),
+                 outliers: bool = True) -> list[str]:
     names = ["bf16"]
     for f in formats:
-        names += [f, f"{f}-o1"] if get_format(f).needs_calibration else [f]
+        names += [f, f"{f}-o1"] if get_format(f).needs_calibration and outliers else [f]
     names += list(seeds)
     if ablations:
         for f in ABLATION_FORMATS:
@@ -141,7 +142,8 @@ def run(args) -> dict:
         art, formats = None, free
         calibration = prev.get("settings", {}).get("artifact_calibration")
     unweighted = Artifact.load(args.ablation_artifact, expect=fp) if args.ablation_artifact else None
-    names = config_names(formats, not args.no_ablations and need_art, unweighted is not None, seeds)
+    names = config_names(formats, not args.no_ablations and need_art, unweighted is not None, seeds,
+                         not args.no_outliers)
     names += [n for n in named if n not in names]
     windows = token_windows(tok, load_corpus(args.data), args.seq_len, args.windows)
 
@@ -379,6 +381,7 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--formats", nargs="+", default=None)
     p.add_argument("--no-ablations", action="store_true")
+    p.add_argument("--no-outliers", action="store_true", help="no <format>-o1 configurations (half the time)")
     p.add_argument("--rerun", action="store_true", help="measure the --formats configurations again even where a "
                    "saved result exists (after a change to how they are simulated)")
     p.add_argument("--protocol", choices=("thesis", "causal"), default="thesis",

@@ -134,10 +134,10 @@ class Artifact:
         return self.fingerprint["num_layers"]
 
     @property
-    def key_rotation(self) -> str | None:
-        """The rotation the key codebooks were fitted under (``calibrate --key-rotation``, codecs/rotation.py), or
-        None: decoded keys must be rotated back before RoPE."""
-        return self.calibration.get("key_rotation")
+    def rotation(self) -> dict[str, str]:
+        """{"k" / "v": rotation} the codebooks of keys / values were fitted under (``calibrate --rotate``,
+        codecs/rotation.py); empty for none: decoded vectors must be rotated back (keys before RoPE)."""
+        return dict(self.calibration.get("rotation") or {})
 
     # ---- save / load -------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:

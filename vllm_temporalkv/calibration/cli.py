@@ -38,9 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "2048-token window of qwen2.5-coder-1.5b peaks at 9.8 GB (the float32 model is 7.5 GB) "
                         "instead of ~21 GB (11.1 GB at 512 tokens); 1.0-1.6x the collection time; the same K / V, "
                         "gradients equal to float rounding (bit-identical where measured); recorded in the artifact")
-    p.add_argument("--key-rotation", default=None, choices=["hadamard"],
-                   help="research: fit the key codebooks on pre-RoPE keys rotated by a randomized Hadamard matrix "
-                        "(codecs/rotation.py); the quality harness simulates such an artifact, the server refuses it")
+    p.add_argument("--rotate", default=None, choices=["keys", "values", "both"],
+                   help="research: fit the key (pre-RoPE) and / or value codebooks on vectors rotated by a randomized "
+                        "Hadamard matrix (codecs/rotation.py); the quality harness simulates such an artifact, the "
+                        "server refuses it")
     p.add_argument("--output", "-o", default=None,
                    help="artifact path (default: temporalkv/calibration.safetensors inside the model folder)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model, data=args.data, formats=args.formats, num_samples=args.num_samples,
             seq_len=args.seq_len, iters=args.iters, seed=args.seed, fisher=not args.no_fisher,
             device=args.device, attention=args.attention, low_memory=args.low_memory,
-            key_rotation=args.key_rotation, output=args.output,
+            rotation={kv: "hadamard" for kv in {"keys": "k", "values": "v", "both": "kv"}.get(args.rotate, "")},
+            output=args.output,
             progress=not args.quiet,
         )
     except (FormatError, ValueError) as e:  # our errors name the problem and the fix

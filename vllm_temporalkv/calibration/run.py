@@ -67,12 +67,12 @@ def _run_key(d: dict) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-FIT_ONLY = ("keys", "key_rotation")  # settings the per-layer fits depend on and the collection does not
+FIT_ONLY = ("keys", "rotation")  # settings the per-layer fits depend on and the collection does not
 
 
 def _reuse_work(work: Path, settings: dict, log) -> None:
     """Keep what a stopped run in ``work`` has that this one can use: the collection depends on the model, text,
-    windows and attention, not on the codebook families (``keys``) or a key rotation; the per-layer fits depend on
+    windows and attention, not on the codebook families (``keys``) or a rotation; the per-layer fits depend on
     all of it."""
     if not (work / "run.json").is_file():
         return
@@ -85,7 +85,7 @@ def _reuse_work(work: Path, settings: dict, log) -> None:
         return
     fitted = sorted(work.glob("layer_*.safetensors"))
     log(f"reusing the collection in {work}; discarding its {len(fitted)} fitted layers (other codebook families or "
-        "key rotation)")
+        "rotation)")
     for p in fitted:
         p.unlink()
 
@@ -103,7 +103,7 @@ def run_calibration(
     device: str = "auto",
     attention: str = "eager",
     low_memory: bool = False,
-    key_rotation: str | None = None,
+    rotation: dict[str, str] | None = None,
     output: str | Path | None = None,
     progress: bool = True,
     log=print,
@@ -118,8 +118,10 @@ def run_calibration(
         num_samples = THESIS_SAMPLES if device.startswith("cuda") else CPU_SAMPLES
     if attention not in ATTENTION:
         raise ValueError(f"attention {attention!r} is not one of {', '.join(ATTENTION)} (--attention)")
-    if key_rotation is not None and key_rotation not in ROTATIONS:
-        raise ValueError(f"key rotation {key_rotation!r} is not one of {', '.join(ROTATIONS)} (--key-rotation)")
+    rotation = {kv: r for kv, r in (rotation or {}).items() if r}
+    bad = [f"{kv}: {r!r}" for kv, r in rotation.items() if kv not in "kv" or r not in ROTATIONS]
+    if bad:
+        raise ValueError(f"rotation {', '.join(bad)}: give k and / or v, each one of {', '.join(ROTATIONS)} (--rotate)")
     formats = calibrated_formats() if not formats or formats == ["all"] else formats
     for f in formats:
         if not get_format(f).needs_calibration:  # fail early on a bad name, or one that has nothing to fit
@@ -148,7 +150,7 @@ def run_calibration(
     settings = dict(
         fingerprint=fp, data=data, num_samples=num_samples, seq_len=seq_len, iters=iters,
         seed=seed, fisher=fisher, keys=keys, collected=layout,
-        **({"key_rotation": key_rotation} if key_rotation else {}),  # absent when off: older work folders match
+        **({"rotation": rotation} if rotation else {}),  # absent when off: older work folders match
     )
     work = output.with_name(output.name + ".work")
     run_key = _run_key(settings)
@@ -181,9 +183,9 @@ def run_calibration(
             bar.update(2 * len(keys))
         else:
             acts, grads = store.layer(layer)
-            # a key rotation (codecs/rotation.py): keys and their gradients alike, d loss / d (k R) = (d loss / d k) R
-            dev_acts = {kv: rotate(acts[kv], key_rotation if kv == "k" else None).to(device) for kv in "kv"}
-            dev_grads = {kv: rotate(grads[kv], key_rotation if kv == "k" else None).to(device) for kv in "kv"}
+            # a rotation (codecs/rotation.py): activations and gradients alike, d loss / d (x R) = (d loss / d x) R
+            dev_acts = {kv: rotate(acts[kv], rotation.get(kv)).to(device) for kv in "kv"}
+            dev_grads = {kv: rotate(grads[kv], rotation.get(kv)).to(device) for kv in "kv"}
             del acts, grads
             st, bk, ms = fit_layer(layer, dev_acts, dev_grads, keys, iters=iters, seed=seed,
                                    fisher=fisher, on_fit=lambda: bar.update(1))
@@ -219,7 +221,7 @@ def run_calibration(
         data=data, num_samples=num_samples, seq_len=seq_len, tokens=num_samples * seq_len,
         sink_tokens_excluded=True, iters=iters, seed=seed, fisher=fisher, attention=attention,
         **({"low_memory": True} if low_memory else {}), codebooks=keys,
-        **({"key_rotation": key_rotation} if key_rotation else {}),
+        **({"rotation": rotation} if rotation else {}),
         device=device if not device.startswith("cuda") else torch.cuda.get_device_name(),
         machine=f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
         seconds=dict(total=round(elapsed, 1), collect=round(t_collect, 1), kmeans=round(t_fit, 1)),
@@ -274,7 +276,7 @@ def extend_artifact(path: str | Path, formats: list[str], *, model: str | None =
     kw = dict(model=model, data=c.get("data", "wiki-leads"), num_samples=c.get("num_samples"),
               seq_len=c.get("seq_len", 2048), iters=c.get("iters", 50), seed=c.get("seed", 0),
               fisher=c.get("fisher", True), attention=c.get("attention", "eager"),
-              low_memory=bool(c.get("low_memory", False)), key_rotation=c.get("key_rotation"), device=device,
+              low_memory=bool(c.get("low_memory", False)), rotation=c.get("rotation"), device=device,
               progress=progress,
               log=log)
     tmp = path.with_name(path.stem + ".extend.safetensors")

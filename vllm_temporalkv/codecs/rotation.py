@@ -1,9 +1,9 @@
-"""An orthogonal rotation of the pre-RoPE keys before normalization and k-means (a remedy studied for 2 bits).
+"""An orthogonal rotation of pre-RoPE keys and / or values before normalization and k-means (a 2-bit remedy).
 
 QuaRot / SpinQuant / TurboQuant rotate keys so that a few large channels spread over all of them.  Here the
-calibration fits the key codebooks on ``k @ R`` (and the Fisher weights on ``g @ R``: for an orthogonal R the
+calibration fits the codebooks on ``k @ R`` (and the Fisher weights on ``g @ R``: for an orthogonal R the
 gradient with respect to the rotated keys is the rotated gradient), and a decoder rotates back, ``k_hat @ R.T``,
-before RoPE.  R is the same for every layer and head: a randomized Hadamard matrix H diag(s) / sqrt(D) (s = +-1 from
+before RoPE (values: the attention output could be rotated back once per query instead).  R is the same for every layer and head: a randomized Hadamard matrix H diag(s) / sqrt(D) (s = +-1 from
 a fixed seed) where D is a power of two, else the Q of a seeded Gaussian's QR.  RoPE does not commute with R, so the
 served kernels would have to rotate back every decoded key; an artifact calibrated this way is refused by the server
 (vllm/options.py) and only the quality harness (harness/simulate.py) reads it.

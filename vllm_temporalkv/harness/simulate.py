@@ -93,7 +93,7 @@ class Simulator:
         self.protocol = protocol
         parts = ablation_parts(ablation)
         self.sinks = sinks_of(ablation)
-        self.key_rotation = None  # an artifact fitted on rotated keys (codecs/rotation.py): rotate, code, rotate back
+        self.rotation = {}  # an artifact fitted on rotated K / V (codecs/rotation.py): rotate, code, rotate back
         # the diagnosis of where a format loses: only keys or only values compressed, the other half exact
         self.exact_kind = {"keys-only": "v", "values-only": "k"}.get(next((p for p in parts if p.endswith("-only")), None))
         self.layers = layers_of(ablation)  # per-layer sensitivity: one layer group compressed at a time
@@ -116,7 +116,7 @@ class Simulator:
             if "pure-temporal" in parts:
                 methods = {kv: ["temporal"] * art.num_layers for kv in "kv"}
             self.qs = model_quantizers(fmt, src, outliers=outliers, methods=methods)
-            self.key_rotation = src.key_rotation
+            self.rotation = src.rotation
 
     def bind(self, hf_config) -> None:
         """The model's facts a per-layer format needs (token_nlls calls it): QJL's quantizers per layer."""
@@ -136,7 +136,7 @@ class Simulator:
             kw = {} if self.sinks is None else {"sinks": self.sinks}
             # causal: every whole block decoded (which ones a query sees exactly is causal_attention's business)
             kw["window"] = self.window if self.protocol == "thesis" else 0
-            rot = self.key_rotation if kind == "k" else None
+            rot = self.rotation.get(kind)
             # rotated in float32 both ways, so the exact tokens (sinks, tail) come back as they were
             xr = x.float() if rot else x
             xq = torch.stack([q.fake_quant(rotate(xr[b], rot), **kw) for b in range(x.shape[0])])

@@ -186,11 +186,11 @@ def serving_options(vllm_config) -> dict:
 @functools.lru_cache(maxsize=4)
 def _load(path: str, fingerprint_json: str, fmt: str, model: str) -> Artifact:
     art = Artifact.load(path, expect=json.loads(fingerprint_json), formats=[fmt], model_hint=model)
-    if art.key_rotation:  # the kernels decode keys in the calibration's own coordinates: they would be wrong
+    if art.rotation:  # the kernels decode in the calibration's own coordinates: keys / values would be wrong
         raise ArtifactError(
-            f"calibration artifact {path} was fitted on rotated keys (--key-rotation {art.key_rotation}), a research "
-            "option only the quality harness simulates: the served kernels do not rotate keys back. Serve an "
-            f"artifact calibrated without it: {calibrate_hint(model, path)}")
+            f"calibration artifact {path} was fitted on rotated {' and '.join({'k': 'keys', 'v': 'values'}[kv] for kv in art.rotation)} (--rotate), a research "
+            "option only the quality harness simulates: the served kernels do not rotate back. Serve an artifact "
+            f"calibrated without it: {calibrate_hint(model, path)}")
     return art
 
 
