@@ -77,6 +77,32 @@ def smollm2_dir():
     return resolve_model(None)
 
 
+@pytest.fixture
+def calibration_spy(monkeypatch):
+    """The calibration's collections counted (``spy.calls``) and its fit stopped by KeyboardInterrupt at layer
+    ``spy.stop`` (None: it runs through) - a run stopped and resumed."""
+    import types
+
+    from vllm_temporalkv.calibration import collect
+    from vllm_temporalkv.calibration import run as calibrate
+
+    real_fit, real_collect = calibrate.fit_layer, collect.collect_kv_grads
+    spy = types.SimpleNamespace(calls=[], stop=None)
+
+    def fit(layer, *a, **kw):
+        if layer == spy.stop:
+            raise KeyboardInterrupt
+        return real_fit(layer, *a, **kw)
+
+    def counting(*a, **kw):
+        spy.calls.append(1)
+        return real_collect(*a, **kw)
+
+    monkeypatch.setattr(calibrate, "fit_layer", fit)
+    monkeypatch.setattr(collect, "collect_kv_grads", counting)
+    return spy
+
+
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory, smollm2_dir):
     """A small but real calibration of SmolLM2: 2 windows x 256 tokens of Wikipedia leads."""

@@ -85,29 +85,15 @@ def test_interrupted_calibration_resumes_to_the_same_artifact(tiny_artifact, smo
         assert torch.equal(a.codebooks[k], b.codebooks[k]), k
 
 
-def test_other_formats_reuse_the_collection_not_the_fits(smollm2_dir, tmp_path, monkeypatch):
+def test_other_formats_reuse_the_collection_not_the_fits(smollm2_dir, tmp_path, calibration_spy):
     """A stopped run's collection serves a run of other formats (it does not depend on the codebook families:
     hours of windows at 64 x 2048 on a CPU); its fitted layers do not; other attention starts over."""
-    from vllm_temporalkv.calibration import collect
-
     out = tmp_path / "a.safetensors"
     work = tmp_path / "a.safetensors.work"
-    real_fit, real_collect = calibrate.fit_layer, collect.collect_kv_grads
-    calls, logs = [], []
-
-    def failing(layer, *a, **kw):
-        if layer == 2:
-            raise KeyboardInterrupt
-        return real_fit(layer, *a, **kw)
-
-    def counting(*a, **kw):
-        calls.append(1)
-        return real_collect(*a, **kw)
-
+    calls, logs = calibration_spy.calls, []
     kw = dict(model=str(smollm2_dir), num_samples=1, seq_len=128, iters=2, output=out, progress=False,
               log=logs.append, attention="sdpa")
-    monkeypatch.setattr(collect, "collect_kv_grads", counting)
-    monkeypatch.setattr(calibrate, "fit_layer", failing)
+    calibration_spy.stop = 2
     with pytest.raises(KeyboardInterrupt):
         calibrate.run_calibration(formats=["temporalkv-4bit"], **kw)
     assert len(calls) == 1 and len(list(work.glob("layer_*"))) == 2
@@ -118,11 +104,11 @@ def test_other_formats_reuse_the_collection_not_the_fits(smollm2_dir, tmp_path, 
     assert {p.name: p.stat().st_mtime_ns for p in work.glob("collected*")} == collected
     assert any("discarding its 2 fitted layers" in m for m in logs), logs
     assert json.loads((work / "run.json").read_text())["settings"]["keys"] == ["channel-l4-k256"]
-    monkeypatch.setattr(calibrate, "fit_layer", real_fit)
+    calibration_spy.stop = None
     art = calibrate.run_calibration(formats=["channelkv-2bit"], **kw)
     assert art.formats == ["channelkv-2bit"] and art.calibration["attention"] == "sdpa" and len(calls) == 1
     # a stopped run under other attention is not reused
-    monkeypatch.setattr(calibrate, "fit_layer", failing)
+    calibration_spy.stop = 2
     with pytest.raises(KeyboardInterrupt):
         calibrate.run_calibration(formats=["channelkv-2bit"], **kw)
     with pytest.raises(KeyboardInterrupt):

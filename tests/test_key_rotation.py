@@ -31,34 +31,21 @@ def test_rotation_is_orthogonal_and_fixed(dim):
         rotation_matrix("givens", dim)
 
 
-def test_rotated_calibration_reuses_the_collection_and_rotates_keys_only(smollm2_dir, tmp_path, monkeypatch):
+def test_rotated_calibration_reuses_the_collection_and_rotates_keys_only(smollm2_dir, tmp_path, calibration_spy):
     """A stopped run's collection serves a rotated run (the rotation acts at the fit); the rotated artifact's key
     statistics are the plain ones rotated (the mean is linear), its value statistics the plain ones; the harness
     codes keys in the rotated coordinates and gives the sinks back to half precision; the server refuses the artifact."""
-    from vllm_temporalkv.calibration import collect
     from vllm_temporalkv.harness.simulate import Simulator
     from vllm_temporalkv.vllm import options
 
-    real_fit, real_collect = calibrate.fit_layer, collect.collect_kv_grads
-    calls, logs = [], []
-
-    def failing(layer, *a, **kw):
-        if layer == 2:
-            raise KeyboardInterrupt
-        return real_fit(layer, *a, **kw)
-
-    def counting(*a, **kw):
-        calls.append(1)
-        return real_collect(*a, **kw)
-
+    calls, logs = calibration_spy.calls, []
     kw = dict(model=str(smollm2_dir), formats=["temporalkv-2bit"], num_samples=1, seq_len=128, iters=2,
               progress=False, log=logs.append, attention="sdpa")
     out = tmp_path / "rot.safetensors"
-    monkeypatch.setattr(collect, "collect_kv_grads", counting)
-    monkeypatch.setattr(calibrate, "fit_layer", failing)
+    calibration_spy.stop = 2
     with pytest.raises(KeyboardInterrupt):
         calibrate.run_calibration(output=out, **kw)
-    monkeypatch.setattr(calibrate, "fit_layer", real_fit)
+    calibration_spy.stop = None
     rot = calibrate.run_calibration(output=out, rotation={"k": "hadamard"}, **kw)
     assert len(calls) == 1, "the collection was redone for a key rotation"
     assert any("discarding its 2 fitted layers" in m for m in logs), logs
