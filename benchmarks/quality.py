@@ -15,7 +15,7 @@ without 1% outliers (``<format>-o1``; the calibration-free ``selective-int8`` / 
 vllm_temporalkv/harness/seeds.py, thesis protocol), and the ablations: Fisher vs unweighted k-means
 (``<format>@unweighted``, needs ``--ablation-artifact`` calibrated with ``--no-fisher``), sinks
 compressed (``@sinks-compressed``), pure temporal chunking instead of the hybrid
-(``@pure-temporal``), only the keys or only the values compressed (``@keys-only``, ``@values-only``: where
+(``@pure-temporal``; ``@keys-channel`` / ``@values-channel``: one half channel-chunked in every layer), only the keys or only the values compressed (``@keys-only``, ``@values-only``: where
 a format's loss comes from), a recent window of N half-precision tokens (``@windowN``, the serving option
 ``temporalkv_recent_window``; its tokens are counted in the bits), and only layers A..B compressed (``@layersA-B``,
 per-layer sensitivity; its bits are the format's); parts combine with ``+`` (``@keys-only+layers0-5``).  ``--formats`` also takes any of these by name

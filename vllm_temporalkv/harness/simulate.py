@@ -26,7 +26,8 @@ KV_DTYPE = torch.bfloat16
 
 
 _ABLATION_PART = re.compile(
-    r"unweighted|sinks-compressed|sinks\d+|pure-temporal|keys-only|values-only|window\d+|layers\d+-\d+")
+    r"unweighted|sinks-compressed|sinks\d+|pure-temporal|(keys|values)-channel|keys-only|values-only|window\d+"
+    r"|layers\d+-\d+")
 
 
 def ablation_parts(ablation: str | None) -> list[str]:
@@ -36,7 +37,8 @@ def ablation_parts(ablation: str | None) -> list[str]:
     bad = [p for p in parts if not _ABLATION_PART.fullmatch(p)]
     if bad:
         raise ValueError(f"unknown ablation {'+'.join(bad)!r}; known: unweighted, sinks-compressed, sinksN, "
-                         "pure-temporal, keys-only, values-only, windowN, layersA-B (joined with '+')")
+                         "pure-temporal, keys-channel, values-channel, keys-only, values-only, windowN, layersA-B "
+                         "(joined with '+')")
     return parts
 
 
@@ -115,6 +117,10 @@ class Simulator:
             methods = None
             if "pure-temporal" in parts:
                 methods = {kv: ["temporal"] * art.num_layers for kv in "kv"}
+            for kind, kv in (("keys", "k"), ("values", "v")):  # one half channel-chunked in every layer
+                if f"{kind}-channel" in parts:
+                    methods = dict(methods or src.layer_methods[fmt])
+                    methods[kv] = ["channel"] * art.num_layers
             self.qs = model_quantizers(fmt, src, outliers=outliers, methods=methods)
             self.rotation = src.rotation
 

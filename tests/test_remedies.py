@@ -111,3 +111,21 @@ def test_more_sinks_in_the_bits_and_the_hook(tiny_artifact):
     xb = x.bfloat16().float()
     y = Simulator("temporalkv-2bit@sinks32", art, None)(4, "k", x)
     assert torch.equal(y[0, :32], xb[0, :32]) and not torch.equal(y[0, 32:48], xb[0, 32:48])
+
+
+def test_one_half_channel_chunked(tiny_artifact):
+    """``@keys-channel`` / ``@values-channel``: that half coded as ChannelKV codes it in every layer (the same
+    channel codebooks and statistics), the other half as the hybrid chose."""
+    from vllm_temporalkv.harness.simulate import Simulator
+
+    art = Artifact.load(tiny_artifact)
+    x = torch.randn(1, 64, 3, 64, generator=torch.Generator().manual_seed(1))
+    hybrid, channel = Simulator("temporalkv-2bit", art, None), Simulator("channelkv-2bit", art, None)
+    temporal_k = [i for i, m in enumerate(art.layer_methods["temporalkv-2bit"]["k"]) if m == "temporal"]
+    assert temporal_k, "the tiny calibration chose channel keys everywhere: the test would prove nothing"
+    for part, kind, other in (("keys-channel", "k", "v"), ("values-channel", "v", "k")):
+        sim = Simulator(f"temporalkv-2bit@{part}", art, None)
+        for layer in range(art.num_layers):
+            assert torch.equal(sim(layer, kind, x), channel(layer, kind, x)), (part, layer)
+            assert torch.equal(sim(layer, other, x), hybrid(layer, other, x)), (part, layer)
+    assert not torch.equal(hybrid(temporal_k[0], "k", x), channel(temporal_k[0], "k", x))
