@@ -107,8 +107,9 @@ def run(args) -> dict:
 
     fp = model_fingerprint(model.config)
     wanted = list(dict.fromkeys(args.formats or [*FORMATS, *SEED_CONFIGS]))
-    named = [f for f in wanted if "@" in f]  # ablations asked for by name, e.g. temporalkv-2bit@window32
-    wanted = [f for f in wanted if "@" not in f]
+    # ablations asked for by name, e.g. temporalkv-2bit@window32, and other outlier shares (temporalkv-2bit-o0.5)
+    named = [f for f in wanted if "@" in f or parse_config(f)[1]]
+    wanted = [f for f in wanted if f not in named]
     bad = [f for f in wanted if f not in FORMATS and not is_seed_config(f)]
     bad += [f for f in named if parse_config(f)[0] not in FORMATS]
     for f in named:
@@ -263,9 +264,9 @@ def write_markdown(report: dict, path: Path) -> None:
         mixed = [n for n in seeds if "layer_bits" in res[n]]
         for n in mixed:
             lines.append(f"{n}: bits per layer {res[n]['layer_bits']} (searched on {res[n]['search_text']})")
-    abl = [n for n in res if "@" in n]
+    abl = [n for n in res if "@" in n or parse_config(n)[1] not in (False, True)]
     if abl:
-        lines += ["", "## Ablations (no outliers)", "", "| configuration | ppl | bits/float | method as calibrated |",
+        lines += ["", "## Ablations and other outlier shares (-oP: P% of values exact)", "", "| configuration | ppl | bits/float | method as calibrated |",
                   "|---|---|---|---|"]
         for n in abl:
             base_name = n.split("@")[0]

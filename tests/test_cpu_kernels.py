@@ -16,6 +16,7 @@ import torch
 
 from tests.cpu_cases import _check_f32_vs_f64, _prefill_dense, _tol, make_cache
 from vllm_temporalkv.codecs import base as codec_base
+from vllm_temporalkv.methods import outlier_fraction
 from vllm_temporalkv.ops import cpu, paged_torch
 
 # built by `pip install --no-build-isolation -e .` (or VLLM_TEMPORALKV_CPU_JIT=1 compiles csrc/ on import)
@@ -58,8 +59,11 @@ CASES = [
     # K/V pairs: K and V codes of different sizes in one record, each read with its own codec
     ("temporalkv-k4v2", 64, True, torch.bfloat16, 0),  # hybrid K: channel l=2; V temporal l=4
     ("temporalkv-k4v1", 128, False, torch.float32, 1),
+    # half the outlier slots (0.5%: a 2-bit format within 2.25 bits per float): 5 per block at 128, 2 at 64
+    ("temporalkv-2bit", 128, 0.005, torch.bfloat16, 0),
+    ("channelkv-2bit", 64, 0.005, torch.float32, 1),
 ]
-IDS = [f"{f}-d{d}-{'o1' if o else 'o0'}-{str(t)[6:]}-L{layer}" for f, d, o, t, layer in CASES]
+IDS = [f"{f}-d{d}-o{100 * outlier_fraction(o):g}-{str(t)[6:]}-L{layer}" for f, d, o, t, layer in CASES]
 
 
 def _batch(kv, calls, tables, block_size):

@@ -129,3 +129,25 @@ def test_one_half_channel_chunked(tiny_artifact):
             assert torch.equal(sim(layer, kind, x), channel(layer, kind, x)), (part, layer)
             assert torch.equal(sim(layer, other, x), hybrid(layer, other, x)), (part, layer)
     assert not torch.equal(hybrid(temporal_k[0], "k", x), channel(temporal_k[0], "k", x))
+
+
+def test_outlier_shares(tiny_artifact):
+    """``-o0.5``: half the outlier slots (2-bit TemporalKV within 2.25 bits per float), in the name, the bits, the
+    slots per block and the hook; a share over 1% is refused (the thresholds single out ~1% of the values)."""
+    from vllm_temporalkv.harness.simulate import Simulator, parse_config
+    from vllm_temporalkv.methods import outlier_cap
+
+    assert parse_config("temporalkv-2bit-o0.5@keys-only") == ("temporalkv-2bit", 0.005, "keys-only")
+    assert parse_config("temporalkv-2bit-o1") == ("temporalkv-2bit", True, None)
+    assert parse_config("temporalkv-2bit") == ("temporalkv-2bit", False, None)
+    assert (outlier_cap(128), outlier_cap(128, 0.005), outlier_cap(64, 0.005), outlier_cap(64, False)) == (10, 5, 2, 0)
+    fmt = get_format("temporalkv-2bit")
+    half, full = bits_per_float(fmt, 128, 2048, 0.005), bits_per_float(fmt, 128, 2048, True)
+    assert half["outliers"] == pytest.approx(full["outliers"] / 2) and half["total"] < 2.25 < full["total"]
+    art = Artifact.load(tiny_artifact)
+    x = torch.randn(1, 64, 3, 64, generator=torch.Generator().manual_seed(2)) * 4  # plenty beyond the thresholds
+    y = {n: Simulator(n, art, None)(5, "k", x) for n in ("temporalkv-2bit", "temporalkv-2bit-o0.5", "temporalkv-2bit-o1")}
+    exact = {n: int((v == x.bfloat16().float())[0, SINK_TOKENS:].sum()) for n, v in y.items()}
+    assert exact["temporalkv-2bit"] < exact["temporalkv-2bit-o0.5"] < exact["temporalkv-2bit-o1"], exact
+    with pytest.raises(ValueError, match="outside \\(0, 0.01\\]"):
+        Simulator("temporalkv-2bit-o2", art, None)

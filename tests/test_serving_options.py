@@ -28,6 +28,13 @@ def test_defaults_and_values(tmp_path, monkeypatch):
     assert not o["batch_invariant"]
     assert serving_options(cfg(tmp_path, temporalkv_outliers=True))["outliers"]
     assert serving_options(cfg(tmp_path, temporalkv_outliers="off"))["outliers"] is False
+    # a percentage of values up to 1: "1" is 1% either way
+    assert serving_options(cfg(tmp_path, temporalkv_outliers="0.5"))["outliers"] == 0.005
+    assert serving_options(cfg(tmp_path, temporalkv_outliers=0.25))["outliers"] == 0.0025
+    assert serving_options(cfg(tmp_path, temporalkv_outliers="1"))["outliers"] is True
+    for bad in ("2", "-0.5", "half"):
+        with pytest.raises(TemporalKVConfigError, match=f"temporalkv_outliers={bad!r} is not a boolean or a perc"):
+            serving_options(cfg(tmp_path, temporalkv_outliers=bad))
     monkeypatch.setenv("VLLM_TEMPORALKV_OUTLIERS", "yes")
     assert serving_options(cfg(tmp_path))["outliers"]
     assert not serving_options(cfg(tmp_path, temporalkv_outliers=False))["outliers"]  # the config wins
@@ -97,7 +104,8 @@ def test_a_calibration_free_format_needs_no_artifact(tmp_path):
 
 
 @pytest.mark.parametrize("extra,env,message", [
-    ({"temporalkv_outliers": "maybe"}, {}, r"temporalkv_outliers='maybe' is not a boolean: use true or false"),
+    ({"temporalkv_outliers": "maybe"}, {},
+     r"temporalkv_outliers='maybe' is not a boolean or a percentage of values in \(0, 1\]: use true / false"),
     ({}, {"VLLM_TEMPORALKV_OUTLIERS": "ture"}, r"VLLM_TEMPORALKV_OUTLIERS='ture' is not a boolean"),
     ({}, {"VLLM_TEMPORALKV_BATCH_INVARIANT": "2"}, r"VLLM_TEMPORALKV_BATCH_INVARIANT='2' is not a boolean"),
     ({"temporalkv_outlier": True}, {}, r"unknown option\(s\) temporalkv_outlier; the plugin's options are "

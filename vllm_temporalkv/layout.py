@@ -22,11 +22,11 @@ HALF_BITS = 16
 OUTLIER_SLOT_BITS = HALF_BITS + 16  # value + position inside the block
 
 
-def outlier_bits_per_float(head_dim: int) -> float:
-    return outlier_cap(head_dim) * OUTLIER_SLOT_BITS / (BLOCK_TOKENS * head_dim)
+def outlier_bits_per_float(head_dim: int, outliers: bool | float = True) -> float:
+    return outlier_cap(head_dim, outliers) * OUTLIER_SLOT_BITS / (BLOCK_TOKENS * head_dim)
 
 
-def bits_per_float(fmt: KVFormat, head_dim: int, context: int, outliers: bool = False,
+def bits_per_float(fmt: KVFormat, head_dim: int, context: int, outliers: bool | float = False,
                    window: int | None = None, num_kv_heads: int | None = None,
                    num_layers: int | None = None, layer_formats: list[KVFormat] | None = None,
                    sinks: int | None = None) -> dict[str, float]:
@@ -57,7 +57,7 @@ def bits_per_float(fmt: KVFormat, head_dim: int, context: int, outliers: bool = 
         "codes": code * coded / context,
         "scales": scale * coded / context,
         "means": cl.mean_bits_per_float(head_dim, num_kv_heads) * coded / context,
-        "outliers": (outlier_bits_per_float(head_dim) * coded / context) if outliers else 0.0,
+        "outliers": (outlier_bits_per_float(head_dim, outliers) * coded / context) if outliers else 0.0,
         "sinks": HALF_BITS * n_sink / context,
         "tail": HALF_BITS * tail / context,
     }
@@ -166,7 +166,7 @@ class PageLayout:
         self.scale_bytes = BLOCK_TOKENS * ks * 2 if ks == vs else None
         self.mean_channels = cl.mean_channels(D, num_kv_heads)  # 0 unless the format shares a head mean
         self.mean_bytes = BLOCK_TOKENS * self.mean_channels * 2
-        self.cap = outlier_cap(D) if outliers else 0
+        self.cap = outlier_cap(D, outliers) if outliers else 0
         off = 0
         self.region = off
         off += self.region_slots * 2 * D * 2

@@ -30,9 +30,24 @@ OUTLIER_FRACTION = 0.01
 OUTLIER_QUANTILES = (0.005, 0.995)
 
 
-def outlier_cap(head_dim: int) -> int:
-    """Most values kept exact per (block of BLOCK_TOKENS tokens, KV head, K or V): <= 1%."""
-    return int(OUTLIER_FRACTION * BLOCK_TOKENS * head_dim)
+def outlier_fraction(outliers: bool | float) -> float:
+    """The share of values an ``outliers`` setting keeps exact: False / 0 none, True OUTLIER_FRACTION (1%), a float
+    that share - at most OUTLIER_FRACTION, as the calibration's thresholds (OUTLIER_QUANTILES) single out ~1% of the
+    values as candidates; a smaller share keeps the farthest of them (0.5%: a 2-bit format within 2.25 bits)."""
+    if outliers is True:
+        return OUTLIER_FRACTION
+    if not outliers:
+        return 0.0
+    f = float(outliers)
+    if not 0.0 < f <= OUTLIER_FRACTION:
+        raise ValueError(f"an outlier share of {f:g} is outside (0, {OUTLIER_FRACTION:g}]")
+    return f
+
+
+def outlier_cap(head_dim: int, outliers: bool | float = True) -> int:
+    """Most values kept exact per (block of BLOCK_TOKENS tokens, KV head, K or V): <= 1% (``outlier_fraction``)."""
+    f = outlier_fraction(outliers)
+    return max(1, int(f * BLOCK_TOKENS * head_dim + 1e-9)) if f else 0
 
 
 # ---- the constants of the seed methods (their papers' / official code's values) ---------------------------------

@@ -94,7 +94,7 @@ class BaseQuantizer:
 class KVQuantizer(BaseQuantizer):
     """A codebook method's quantizer: per-channel normalization (calibration statistics), its codec, outliers."""
 
-    def __init__(self, codec: Codec, stats: ChannelStats, outliers: bool = False):
+    def __init__(self, codec: Codec, stats: ChannelStats, outliers: bool | float = False):
         self.codec = codec
         self.stats = stats
         self.outliers = outliers
@@ -120,7 +120,7 @@ class KVQuantizer(BaseQuantizer):
         idx = val = None
         if self.outliers:
             s = self.stats
-            xf, idx, val = split_outliers(xf, s.lo, s.hi, s.inv_std, outlier_cap(D))
+            xf, idx, val = split_outliers(xf, s.lo, s.hi, s.inv_std, outlier_cap(D, self.outliers))
             val = val.to(x.dtype)
         return Encoded(self.codec.encode(self.normalize(xf)), idx, val)
 

@@ -21,6 +21,7 @@ from vllm_temporalkv.codecs import calibration_free_quantizers
 from vllm_temporalkv.codecs.rotation import rotate
 from vllm_temporalkv.formats import get_format
 from vllm_temporalkv.hf_hooks import kv_output_hooks
+from vllm_temporalkv.methods import outlier_fraction
 
 KV_DTYPE = torch.bfloat16
 
@@ -70,13 +71,20 @@ def layers_of(ablation: str | None) -> range | None:
     return None
 
 
-def parse_config(name: str) -> tuple[str | None, bool, str | None]:
-    """'temporalkv-2bit-o1@x' -> ('temporalkv-2bit', True, 'x'); 'bf16' -> (None, False, None)."""
+_OUTLIER_SUFFIX = re.compile(r"-o(\d+(?:\.\d+)?)$")
+
+
+def parse_config(name: str) -> tuple[str | None, bool | float, str | None]:
+    """'temporalkv-2bit-o1@x' -> ('temporalkv-2bit', True, 'x') (1% outliers); '-o0.5': 0.005 (that share,
+    ``methods.outlier_fraction``); 'bf16' -> (None, False, None)."""
     base, _, ablation = name.partition("@")
     if base == "bf16":
         return None, False, None
-    outliers = base.endswith("-o1")
-    return base.removesuffix("-o1"), outliers, ablation or None
+    m = _OUTLIER_SUFFIX.search(base)
+    if m is None:
+        return base, False, ablation or None
+    pct = float(m.group(1))
+    return base[: m.start()], True if pct == 1 else pct / 100, ablation or None
 
 
 class Simulator:
@@ -92,6 +100,7 @@ class Simulator:
 
     def __init__(self, name: str, art: Artifact, art_unweighted: Artifact | None, protocol: str = "thesis"):
         fmt, outliers, ablation = parse_config(name)
+        outlier_fraction(outliers)  # a share over 1% is refused here, not deep in the first encode
         self.protocol = protocol
         parts = ablation_parts(ablation)
         self.sinks = sinks_of(ablation)

@@ -3,7 +3,9 @@
 Serving options (``--additional-config`` JSON or environment):
     temporalkv_artifact  / VLLM_TEMPORALKV_ARTIFACT   calibration artifact (default:
                                                       <model folder>/temporalkv/calibration.safetensors)
-    temporalkv_outliers  / VLLM_TEMPORALKV_OUTLIERS   keep 1% outliers exact (default false)
+    temporalkv_outliers  / VLLM_TEMPORALKV_OUTLIERS   keep 1% outliers exact (default false); a number is
+                                                      a percentage of values up to 1 (0.5: a 2-bit
+                                                      format within 2.25 bits per float)
     temporalkv_batch_invariant / VLLM_TEMPORALKV_BATCH_INVARIANT
                                                       outputs independent of chunking and batching
                                                       (float64 attention on the CPU, ~5x slower;
@@ -43,6 +45,7 @@ from pathlib import Path
 from ..artifact import (ENV_ARTIFACT, Artifact, ArtifactError, calibrate_hint, default_artifact_path,
                         model_fingerprint)
 from ..formats import FormatError, check_window, get_format
+from ..methods import OUTLIER_FRACTION
 
 logger = logging.getLogger("vllm.temporalkv")  # under vLLM's logger, so its handlers print it
 
@@ -73,6 +76,22 @@ def _flag(value, where: str) -> bool:
     if v in _TRUE or v in _FALSE:
         return v in _TRUE
     raise TemporalKVConfigError(f"{where}={value!r} is not a boolean: use true or false (or 1 / 0)")
+
+
+def _outliers(value, where: str) -> bool | float:
+    """temporalkv_outliers: a boolean (1% when true) or a percentage of values in (0, 1] (``methods.outlier_fraction``;
+    "1" means 1% either way)."""
+    v = str(value).strip().lower()
+    if isinstance(value, bool) or v in _TRUE or v in _FALSE:
+        return _flag(value, where)
+    try:
+        pct = float(v.removesuffix("%"))
+    except ValueError:
+        pct = float("nan")
+    if not 0 < pct <= 100 * OUTLIER_FRACTION:
+        raise TemporalKVConfigError(f"{where}={value!r} is not a boolean or a percentage of values in (0, "
+                                    f"{100 * OUTLIER_FRACTION:g}]: use true / false, or e.g. 0.5 for 0.5%")
+    return True if pct == 100 * OUTLIER_FRACTION else pct / 100
 
 
 def _option(extra: dict, key: str, env: str, default: str) -> tuple[object, str]:
@@ -111,7 +130,7 @@ def small_block_size(vllm_config) -> int:
 
     extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
     fmt = get_format(vllm_config.cache_config.cache_dtype)
-    outliers = _flag(*_option(extra, "temporalkv_outliers", ENV_OUTLIERS, "0"))
+    outliers = _outliers(*_option(extra, "temporalkv_outliers", ENV_OUTLIERS, "0"))
     D = vllm_config.model_config.get_head_size()
     bs = SMALL_BLOCK_SIZE
     while bs < DEFAULT_BLOCK_SIZE and \
@@ -162,7 +181,7 @@ def serving_options(vllm_config) -> dict:
                 f"--additional-config '{{\"temporalkv_artifact\": \"PATH\"}}' or set {ENV_ARTIFACT}"
             )
         path = str(default_artifact_path(model))
-    outliers = _flag(*_option(extra, "temporalkv_outliers", ENV_OUTLIERS, "0"))
+    outliers = _outliers(*_option(extra, "temporalkv_outliers", ENV_OUTLIERS, "0"))
     if outliers and not fmt.needs_calibration:
         raise TemporalKVConfigError(f"temporalkv_outliers: {fmt.name} keeps no outliers (its scales are per token); "
                                     "drop the option")
