@@ -59,6 +59,7 @@ CASES = [
     # K/V pairs: K and V codes of different sizes in one record, each read with its own codec
     ("temporalkv-k4v2", 64, True, torch.bfloat16, 0),  # hybrid K: channel l=2; V temporal l=4
     ("temporalkv-k4v1", 128, False, torch.float32, 1),
+    ("temporalkv-2bit-cv", 128, True, torch.bfloat16, 1),  # temporal K, channel V (issue 35's remedy)
     # half the outlier slots (0.5%: a 2-bit format within 2.25 bits per float): 5 per block at 128, 2 at 64
     ("temporalkv-2bit", 128, 0.005, torch.bfloat16, 0),
     ("channelkv-2bit", 64, 0.005, torch.float32, 1),

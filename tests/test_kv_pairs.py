@@ -60,3 +60,21 @@ def test_pair_quantizers_come_from_the_parts(tmp_path):
         Artifact.load(only_k, formats=[PAIR])
     with pytest.raises(ArtifactError, match=f"no codebooks for {V} \\(needed by {PAIR}\\).*--formats {V}"):
         layer_quantizers(PAIR, 0, artifact=Artifact.load(only_k))
+
+
+def test_channel_values_pair(tmp_path):
+    """``temporalkv-2bit-cv``: the hybrid's 2-bit keys, ChannelKV's 2-bit values (the same channel codebooks the
+    hybrid holds) - in every layer, whatever the hybrid chose for the values; the same pages as temporalkv-2bit."""
+    f = get_format("temporalkv-2bit-cv")
+    assert f.calibrated_formats == ["temporalkv-2bit", "channelkv-2bit"] and f.nominal_bits == 2
+    art = synthetic_artifact(CFG, f.calibrated_formats)
+    art.layer_methods["temporalkv-2bit"]["v"] = ["temporal"] * art.num_layers  # the hybrid's values: temporal
+    back = Artifact.load(art.save(tmp_path / "a.safetensors"), formats=[f.name])
+    for layer in range(back.num_layers):
+        kq, vq = layer_quantizers(f, layer, artifact=back)
+        hk = layer_quantizers("temporalkv-2bit", layer, artifact=back)[0]
+        cv = layer_quantizers("channelkv-2bit", layer, artifact=back)[1]
+        assert vq.codec.method == "channel" and torch.equal(vq.codec.centroids, cv.codec.centroids)
+        assert kq.codec.method == hk.codec.method and torch.equal(kq.codec.centroids, hk.codec.centroids)
+    for D in (64, 128):
+        assert PageLayout(f, D, 1024, True).bytes == PageLayout(get_format("temporalkv-2bit"), D, 1024, True).bytes

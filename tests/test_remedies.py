@@ -129,6 +129,9 @@ def test_one_half_channel_chunked(tiny_artifact):
             assert torch.equal(sim(layer, kind, x), channel(layer, kind, x)), (part, layer)
             assert torch.equal(sim(layer, other, x), hybrid(layer, other, x)), (part, layer)
     assert not torch.equal(hybrid(temporal_k[0], "k", x), channel(temporal_k[0], "k", x))
+    # served as a format of its own: temporalkv-2bit-cv is @values-channel
+    cv, vc = Simulator("temporalkv-2bit-cv", art, None), Simulator("temporalkv-2bit@values-channel", art, None)
+    assert all(torch.equal(cv(layer, kind, x), vc(layer, kind, x)) for layer in range(art.num_layers) for kind in "kv")
 
 
 def test_outlier_shares(tiny_artifact):

@@ -21,7 +21,8 @@ and two format families need no calibration at all:
 
 and two ways to spend bits unevenly, both served from the codebooks of the uniform formats they are made of:
 * a *mixed* format (``mix``): per layer one of its parts (``temporalkv-2bit-mixed``, issue 16's first remedy);
-* a *K/V pair* (``kv``): keys as one format, values as another (``temporalkv-k4v2``: keys at 4 bits, values at 2).
+* a *K/V pair* (``kv``): keys as one format, values as another (``temporalkv-k4v2``: keys at 4 bits, values at 2;
+  ``temporalkv-2bit-cv``: the hybrid's 2-bit keys, ChannelKV's 2-bit values).
 
 Shared by all formats (so they are compared on equal terms):
 * ``SINK_TOKENS`` first tokens of every sequence stay in half precision (attention sinks);
@@ -130,6 +131,11 @@ def _build() -> dict[str, KVFormat]:
         k, v = out[f"temporalkv-{kb}bit"], out[f"temporalkv-{vb}bit"]
         name = f"temporalkv-k{kb}v{vb}"
         out[name] = dataclasses.replace(k, name=name, nominal_bits=(kb + vb) / 2, kv=(k.name, v.name))
+    # issue 35's remedy on Qwen2.5-1.5B: the hybrid's keys, values channel-chunked in every layer (ChannelKV's codes,
+    # from the same channel codebooks the hybrid holds): the hybrid's per-layer choice of temporal values, right by
+    # the Fisher-weighted MSE, costs perplexity there (brown, 2 windows: 1.108x bf16 against the hybrid's 1.145x)
+    out["temporalkv-2bit-cv"] = dataclasses.replace(out["temporalkv-2bit"], name="temporalkv-2bit-cv",
+                                                    kv=("temporalkv-2bit", "channelkv-2bit"))
     for bits in (8, 4):
         out[f"selective-int{bits}"] = KVFormat(f"selective-int{bits}", "selective", bits, 1, 2**bits,
                                                window=get_method("selective").window)
