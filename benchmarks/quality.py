@@ -242,6 +242,13 @@ def write_markdown(report: dict, path: Path) -> None:
                 f"| {bits} | {f} | {res[f]['ppl']:.3f} | {o.get('ppl', float('nan')):.3f} | "
                 f"{res[f]['bits']['total']:.3f} | {o.get('bits', {}).get('total', float('nan')):.3f} | {cb:.2f} MiB |"
             )
+    pairs = [n for n in res if "@" not in n and parse_config(n)[0] in FORMATS and get_format(parse_config(n)[0]).kv]
+    if pairs:
+        lines += ["", "## K/V pairs: keys as one format, values as another (-oP: P% of values exact)", "",
+                  "| format | keys | values | ppl | bits/float |", "|---|---|---|---|---|"]
+        for n in pairs:
+            k, v = get_format(parse_config(n)[0]).kv
+            lines.append(f"| {n} | {k} | {v} | {res[n]['ppl']:.3f} | {res[n]['bits']['total']:.3f} |")
     mixed = [n for n in res if "layer_formats" in res[n]]
     if mixed:
         lines += ["", "## Mixed formats: each layer one of the parts, chosen by the calibration's per-layer loss "
@@ -264,7 +271,7 @@ def write_markdown(report: dict, path: Path) -> None:
         mixed = [n for n in seeds if "layer_bits" in res[n]]
         for n in mixed:
             lines.append(f"{n}: bits per layer {res[n]['layer_bits']} (searched on {res[n]['search_text']})")
-    abl = [n for n in res if "@" in n or parse_config(n)[1] not in (False, True)]
+    abl = [n for n in res if "@" in n or (parse_config(n)[1] not in (False, True) and n not in pairs)]
     if abl:
         lines += ["", "## Ablations and other outlier shares (-oP: P% of values exact)", "", "| configuration | ppl | bits/float | method as calibrated |",
                   "|---|---|---|---|"]

@@ -3,8 +3,9 @@
 QuaRot / SpinQuant / TurboQuant rotate keys so that a few large channels spread over all of them.  Here the
 calibration fits the codebooks on ``k @ R`` (and the Fisher weights on ``g @ R``: for an orthogonal R the
 gradient with respect to the rotated keys is the rotated gradient), and a decoder rotates back, ``k_hat @ R.T``,
-before RoPE (values: the attention output could be rotated back once per query instead).  R is the same for every layer and head: a randomized Hadamard matrix H diag(s) / sqrt(D) (s = +-1 from
-a fixed seed) where D is a power of two, else the Q of a seeded Gaussian's QR.  RoPE does not commute with R, so the
+before RoPE (values: the attention output could be rotated back once per query instead).  R is the same for every
+layer and head: a randomized Hadamard matrix H diag(s) / sqrt(D) (s = +-1 from a fixed seed) where D is a power of
+two, else the Q of a seeded Gaussian's QR.  RoPE does not commute with R, so the
 served kernels would have to rotate back every decoded key; an artifact calibrated this way is refused by the server
 (vllm/options.py) and only the quality harness (harness/simulate.py) reads it.
 """
@@ -22,7 +23,7 @@ ROTATIONS = ("hadamard",)
 def rotation_matrix(kind: str, dim: int, seed: int = 0) -> torch.Tensor:
     """[dim, dim] float32 orthogonal matrix (rows and columns unit length and orthogonal)."""
     if kind not in ROTATIONS:
-        raise ValueError(f"key rotation {kind!r} is not one of {', '.join(ROTATIONS)}")
+        raise ValueError(f"rotation {kind!r} is not one of {', '.join(ROTATIONS)}")
     g = torch.Generator().manual_seed(seed)
     if dim & (dim - 1) == 0:
         h = torch.ones(1, 1)

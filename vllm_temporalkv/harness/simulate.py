@@ -128,6 +128,9 @@ class Simulator:
                 methods = {kv: ["temporal"] * art.num_layers for kv in "kv"}
             for kind, kv in (("keys", "k"), ("values", "v")):  # one half channel-chunked in every layer
                 if f"{kind}-channel" in parts:
+                    if fmt not in src.layer_methods:
+                        raise ValueError(f"@{kind}-channel: {fmt} has no per-layer chunking of its own (a K/V pair "
+                                         "or mixed format): give one of the uniform formats")
                     methods = dict(methods or src.layer_methods[fmt])
                     methods[kv] = ["channel"] * art.num_layers
             self.qs = model_quantizers(fmt, src, outliers=outliers, methods=methods)
@@ -152,7 +155,7 @@ class Simulator:
             # causal: every whole block decoded (which ones a query sees exactly is causal_attention's business)
             kw["window"] = self.window if self.protocol == "thesis" else 0
             rot = self.rotation.get(kind)
-            # rotated in float32 both ways, so the exact tokens (sinks, tail) come back as they were
+            # rotated in float32 both ways: the exact tokens (sinks, tail) come back to within their half precision
             xr = x.float() if rot else x
             xq = torch.stack([q.fake_quant(rotate(xr[b], rot), **kw) for b in range(x.shape[0])])
             xq = rotate(xq, rot, inverse=True).to(KV_DTYPE)
