@@ -158,7 +158,8 @@ class Simulator:
             # rotated in float32 both ways: the exact tokens (sinks, tail) come back to within their half precision
             xr = x.float() if rot else x
             xq = torch.stack([q.fake_quant(rotate(xr[b], rot), **kw) for b in range(x.shape[0])])
-            xq = rotate(xq, rot, inverse=True).to(KV_DTYPE)
+            if rot:  # (a format's own decode keeps its dtype: QJL's keys are exact post-RoPE, not here)
+                xq = rotate(xq, rot, inverse=True).to(KV_DTYPE)
             if self.protocol == "causal":
                 self.stash[(layer, kind)] = xq.to(out.dtype)
             else:
