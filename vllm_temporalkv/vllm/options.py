@@ -45,7 +45,7 @@ from pathlib import Path
 from ..artifact import (ENV_ARTIFACT, Artifact, ArtifactError, calibrate_hint, default_artifact_path,
                         model_fingerprint)
 from ..formats import FormatError, check_window, get_format
-from ..methods import OUTLIER_FRACTION
+from ..methods import OUTLIER_FRACTION, outlier_fraction
 
 logger = logging.getLogger("vllm.temporalkv")  # under vLLM's logger, so its handlers print it
 
@@ -84,14 +84,12 @@ def _outliers(value, where: str) -> bool | float:
     v = str(value).strip().lower()
     if isinstance(value, bool) or v in _TRUE or v in _FALSE:
         return _flag(value, where)
-    try:
-        pct = float(v.removesuffix("%"))
+    try:  # the range is outlier_fraction's
+        share = outlier_fraction(float(v.removesuffix("%")) / 100)
     except ValueError:
-        pct = float("nan")
-    if not 0 < pct <= 100 * OUTLIER_FRACTION:
         raise TemporalKVConfigError(f"{where}={value!r} is not a boolean or a percentage of values in (0, "
-                                    f"{100 * OUTLIER_FRACTION:g}]: use true / false, or e.g. 0.5 for 0.5%")
-    return True if pct == 100 * OUTLIER_FRACTION else pct / 100
+                                    f"{100 * OUTLIER_FRACTION:g}]: use true / false, or e.g. 0.5 for 0.5%") from None
+    return True if share == OUTLIER_FRACTION else share
 
 
 def _option(extra: dict, key: str, env: str, default: str) -> tuple[object, str]:
@@ -206,10 +204,11 @@ def serving_options(vllm_config) -> dict:
 def _load(path: str, fingerprint_json: str, fmt: str, model: str) -> Artifact:
     art = Artifact.load(path, expect=json.loads(fingerprint_json), formats=[fmt], model_hint=model)
     if art.rotation:  # the kernels decode in the calibration's own coordinates: keys / values would be wrong
+        halves = " and ".join({"k": "keys", "v": "values"}[kv] for kv in art.rotation)
         raise ArtifactError(
-            f"calibration artifact {path} was fitted on rotated {' and '.join({'k': 'keys', 'v': 'values'}[kv] for kv in art.rotation)} (--rotate), a research "
-            "option only the quality harness simulates: the served kernels do not rotate back. Serve an artifact "
-            f"calibrated without it: {calibrate_hint(model, path)}")
+            f"calibration artifact {path} was fitted on rotated {halves} (--rotate), a research option only the "
+            "quality harness simulates: the served kernels do not rotate back. Serve an artifact calibrated without "
+            f"it: {calibrate_hint(model, path)}")
     return art
 
 
