@@ -23,6 +23,11 @@ def _fmt(x: float | None, nd: int = 2) -> str:
     return "–" if x is None else f"{x:.{nd}f}"
 
 
+# a format's name in a headline key: no dots, but a fractional outlier share (temporalkv-2bit-cv-o0.5); the model part
+# before it is matched lazily, as a model's name may hold dots too (qwen2.5-1.5b), and never ends in "-o<digit>"
+FORMAT = r"([^.]+?-o\d+\.\d+|[^.]+)"
+
+
 def _grouped(h: dict, pattern: str) -> dict[str, dict[str, dict[str, float]]]:
     """Headline keys matching pattern's three groups (where, name, metric) -> {where: {name: {metric: value}}}."""
     rows: dict[str, dict[str, dict[str, float]]] = {}
@@ -38,7 +43,7 @@ def _quality(h: dict) -> dict[tuple[str, str], dict[str, dict[str, float]]]:
     SmolLM2's keys have no model part (model ""), another model's a short name with dots (qwen2.5-1.5b)."""
     rows: dict[tuple[str, str], dict[str, dict[str, float]]] = {}
     for k, v in h.items():
-        m = re.fullmatch(r"quality\.([^.]+)\.(?:(.+)\.)?([^.]+)\.(ppl|bits_per_float)", k)
+        m = re.fullmatch(r"quality\.([^.]+)\.(?:(.+?)(?<!-o\d)\.)?" + FORMAT + r"\.(ppl|bits_per_float)", k)
         if m:
             rows.setdefault((m.group(1), m.group(2) or ""), {}).setdefault(m.group(3), {})[m.group(4)] = v
     return dict(sorted(rows.items()))
@@ -127,8 +132,7 @@ def capacity_table(h: dict) -> list[str]:
 
 
 def retrieval_table(h: dict) -> list[str]:
-    # the model's name may hold dots (qwen2.5-1.5b), a format never does
-    rows = _grouped(h, r"retrieval\.(.+)\.([^.]+)\.((?:avg_accuracy(?:_4k_8k)?|ratio_vs_auto_4k_8k)(?:_ci_low|_ci_high)?"
+    rows = _grouped(h, r"retrieval\.(.+?)\." + FORMAT + r"\.((?:avg_accuracy(?:_4k_8k)?|ratio_vs_auto_4k_8k)(?:_ci_low|_ci_high)?"
                        r"|samples|wall_ratio_vs_auto)")
     out = []
     for name, r in sorted(rows.items()):
@@ -163,7 +167,7 @@ def choice_table(h: dict, data: str = "brown") -> list[str]:
     """Per model, each format's bits, perplexity ÷ bf16 and needles ÷ auto side by side: what to serve.  Models
     with both a quality and a retrieval run (SmolLM2's quality keys carry no model part, its retrieval's
     `smollm2`; a retrieval run named for a machine, e.g. smollm2-cpu-amx, has no quality of its own)."""
-    ret = _grouped(h, r"retrieval\.(.+)\.([^.]+)\.(ratio_vs_auto_4k_8k(?:_ci_low|_ci_high)?)")
+    ret = _grouped(h, r"retrieval\.(.+?)\." + FORMAT + r"\.(ratio_vs_auto_4k_8k(?:_ci_low|_ci_high)?)")
     qual = _quality(h)
     out = []
     for name, r in sorted(ret.items()):

@@ -87,3 +87,24 @@ def test_choice_table_and_wall_ratios():
     assert "| temporalkv-2bit | – | 0.400 | – | – | 1.25 |" in lines[amx:]
     smol = lines.index(next(ln for ln in lines if "retrieval through the server, smollm2**" in ln))
     assert lines[smol + 2].endswith("| 4k-8k ÷ auto |")  # no wall column where nothing was timed
+
+
+def test_fractional_outlier_share_in_keys():
+    """A format named with a fractional outlier share (temporalkv-2bit-cv-o0.5: 0.5% outliers) holds a dot, as a
+    model's name may (qwen2.5-1.5b): its figures land in its own rows, for the default model and another one."""
+    h = {"quality.brown.bf16.ppl": 32.0, "quality.brown.temporalkv-2bit-o0.5.ppl": 36.0,
+         "quality.brown.temporalkv-2bit-o0.5.bits_per_float": 2.23,
+         "quality.brown.qwen2.5-1.5b.bf16.ppl": 20.0, "quality.brown.qwen2.5-1.5b.temporalkv-2bit-cv-o0.5.ppl": 21.0,
+         "quality.brown.qwen2.5-1.5b.temporalkv-2bit-cv-o0.5.bits_per_float": 2.23,
+         "retrieval.qwen2.5-1.5b.auto.avg_accuracy": 0.9,
+         "retrieval.qwen2.5-1.5b.temporalkv-2bit-cv-o0.5.avg_accuracy": 0.8,
+         "retrieval.qwen2.5-1.5b.temporalkv-2bit-cv-o0.5.ratio_vs_auto_4k_8k": 0.85,
+         "retrieval.qwen2.5-1.5b.temporalkv-2bit-cv-o0.5.ratio_vs_auto_4k_8k_ci_low": 0.7,
+         "retrieval.qwen2.5-1.5b.temporalkv-2bit-cv-o0.5.ratio_vs_auto_4k_8k_ci_high": 0.95}
+    text = bench_call(RENDER, json.dumps(h))
+    lines = text.splitlines()
+    assert "| qwen2.5-1.5b | temporalkv-2bit-cv-o0.5 | 2.23 | 1.05 | 0.85 [0.70, 0.95] |" in lines
+    assert "| temporalkv-2bit-o0.5 | 2.23 | 36.00 | 1.12 |" in lines  # the default model's every-method table
+    assert "| temporalkv-2bit-cv-o0.5 | 2.23 | 21.00 | 1.05 |" in lines
+    assert "| temporalkv-2bit-cv-o0.5 | – | 0.800 | – | 0.85 [0.70, 0.95] |" in lines
+    assert "temporalkv-2bit-o0" + "|" not in text.replace(" ", "") and "| 5 |" not in text

@@ -16,7 +16,7 @@ share of its reference strings found in the greedy answer (RULER's string match)
 
 The suite only talks to an OpenAI-compatible /v1/completions endpoint, so it scores any server (--url).
 The runner starts `vllm serve` (python -m vllm.entrypoints.openai.api_server) once per --kv-cache-dtype
-in turn (``<format>-o1``: with 1% outliers; ``<format>@windowN``: with a recent window of N half-precision tokens). Results: retrieval.json / .md / .png in --out (retrieval-<name>.* for a --name other than smollm2); with the default --out the headline figures
+in turn (``<format>-o1``: with 1% outliers, ``-o0.5`` with 0.5%; ``<format>@windowN``: with a recent window of N half-precision tokens). Results: retrieval.json / .md / .png in --out (retrieval-<name>.* for a --name other than smollm2); with the default --out the headline figures
 ``retrieval.<name>.<format>.avg_accuracy`` (mean over tasks and lengths, 0-1) are merged into
 benchmarks/results/headline.json.
 """
@@ -56,7 +56,7 @@ def main(argv=None):
                    "artifact must be in <model>/temporalkv/calibration.safetensors or given with --artifact)")
     p.add_argument("--name", default="smollm2", help="model tag in the headline keys")
     p.add_argument("--formats", nargs="+", default=None, help="--kv-cache-dtype values (default: auto, fp8 and "
-                   "every format the plugin serves); <format>-o1 serves a plugin format with 1%% exact outliers")
+                   "every format the plugin serves); <format>-o1 serves a plugin format with 1%% exact outliers, -o0.5 with 0.5%%")
     p.add_argument("--artifact", default=None, help="calibration artifact for the plugin's formats")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     p.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS))

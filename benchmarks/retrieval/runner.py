@@ -63,15 +63,17 @@ def serve_and_score(model: str, fmt: str, samples: list[Sample], args, on_record
     from vllm_temporalkv.formats import FORMATS
     from vllm_temporalkv.harness.server import VLLMServer
 
-    # "<format>-o1": the plugin's format with 1% exact outliers (the artifact holds the thresholds);
-    # "<format>@windowN": with a recent window of N half-precision tokens (temporalkv_recent_window)
+    # "<format>-o1": the plugin's format with 1% exact outliers (the artifact holds the thresholds), "-o0.5" with
+    # 0.5% (temporalkv_outliers takes a percentage up to 1); "<format>@windowN": with a recent window of N
+    # half-precision tokens (temporalkv_recent_window)
     base, _, variant = fmt.partition("@")
-    dtype, outliers = (base[:-3], True) if base.endswith("-o1") and base[:-3] in FORMATS else (base, False)
+    m = re.search(r"-o(\d+(?:\.\d+)?)$", base)
+    dtype, outliers = (base[: m.start()], float(m.group(1))) if m and base[: m.start()] in FORMATS else (base, None)
     options = {}
     if args.artifact and dtype in FORMATS:
         options["temporalkv_artifact"] = str(args.artifact)
-    if outliers:
-        options["temporalkv_outliers"] = True
+    if outliers is not None:
+        options["temporalkv_outliers"] = True if outliers == 1 else outliers
     if re.fullmatch(r"window\d+", variant) and dtype in FORMATS:
         options["temporalkv_recent_window"] = int(variant.removeprefix("window"))
     elif variant:
