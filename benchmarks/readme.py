@@ -50,8 +50,14 @@ def _quality(h: dict) -> dict[tuple[str, str], dict[str, dict[str, float]]]:
 
 
 def _where(data: str, model: str) -> tuple[str, str]:
-    """A table's title part and its results files' stem (benchmarks.quality's model_tag)."""
-    return (f"{data}, {model}", f"quality-{model}") if model else (data, "quality")
+    """A table's title part and its results files' stem (benchmarks.quality's model_tag); the causal protocol's
+    keys carry it after the data (quality.brown-causal.*), its files after the model (quality-<model>-causal)."""
+    data, causal = data.removesuffix("-causal"), "-causal" if data.endswith("-causal") else ""
+    return (f"{data}, {model}", f"quality-{model}{causal}") if model else (data, f"quality{causal}")
+
+
+def _protocol(data: str) -> str:
+    return "causal protocol" if data.endswith("-causal") else "thesis protocol"
 
 
 def quality_table(h: dict) -> list[str]:
@@ -61,7 +67,7 @@ def quality_table(h: dict) -> list[str]:
         if not r:
             continue
         title, stem = _where(data, model)
-        out += [f"**Perplexity, {title}** (simulated compression, thesis protocol; lower is better; "
+        out += [f"**Perplexity, {title}** (simulated compression, {_protocol(data)}; lower is better; "
                 f"details in [benchmarks/results/{stem}.md](benchmarks/results/{stem}.md))", "",
                 "| bits | " + " | ".join(f"{m} | {m} +1% outliers" for m in METHODS) + " |",
                 "|---|" + "---|" * (2 * len(METHODS))]
@@ -86,7 +92,8 @@ def pareto_table(h: dict) -> list[str]:
         base = r.get("bf16", {}).get("ppl")
         title, stem = _where(data, model)
         out += [f"**Every method at its all-in bits per float, {title}** (codes, scales, norms, means, outliers, "
-                "sinks and recent windows at 2048 tokens; every method as served but TaDA's per-layer mix, simulated; "
+                "sinks and recent windows at 2048 tokens; every method as served but TaDA's per-layer mix, simulated, "
+                f"{_protocol(data)}; "
                 f"chart: [benchmarks/results/{stem}_pareto.png](benchmarks/results/{stem}_pareto.png))", "",
                 "| method | bits/float | ppl | ppl ÷ bf16 |", "|---|---|---|---|"]
         for n, x in sorted(pts.items(), key=lambda kv: (-kv[1]["bits_per_float"], kv[1]["ppl"])):

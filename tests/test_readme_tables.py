@@ -108,3 +108,18 @@ def test_fractional_outlier_share_in_keys():
     assert "| temporalkv-2bit-cv-o0.5 | 2.23 | 21.00 | 1.05 |" in lines
     assert "| temporalkv-2bit-cv-o0.5 | – | 0.800 | – | 0.85 [0.70, 0.95] |" in lines
     assert "temporalkv-2bit-o0" + "|" not in text.replace(" ", "") and "| 5 |" not in text
+
+
+def test_causal_protocol_tables():
+    """benchmarks.quality --protocol causal writes quality.<data>-causal.* keys and quality[-<model>]-causal.* files:
+    its tables say so and link those files; the thesis tables keep their titles."""
+    h = {"quality.brown.bf16.ppl": 32.0, "quality.brown.temporalkv-2bit.ppl": 40.0,
+         "quality.brown-causal.qwen2.5-1.5b.bf16.ppl": 20.0,
+         "quality.brown-causal.qwen2.5-1.5b.temporalkv-2bit.ppl": 21.0,
+         "quality.brown-causal.qwen2.5-1.5b.temporalkv-2bit.bits_per_float": 2.08}
+    lines = bench_call(RENDER, json.dumps(h)).splitlines()
+    causal = [ln for ln in lines if ln.startswith("**") and "causal" in ln]
+    assert len(causal) == 2 and all("brown, qwen2.5-1.5b** (" in ln for ln in causal)
+    assert "benchmarks/results/quality-qwen2.5-1.5b-causal.md" in causal[0]
+    assert "benchmarks/results/quality-qwen2.5-1.5b-causal_pareto.png" in causal[1]
+    assert any(ln.startswith("**Perplexity, brown** (simulated compression, thesis protocol;") for ln in lines)
