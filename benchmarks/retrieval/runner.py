@@ -62,12 +62,13 @@ def reusable(prev: list[dict], samples: list[Sample]) -> dict[tuple, dict]:
 def serve_and_score(model: str, fmt: str, samples: list[Sample], args, on_record=None) -> dict:
     from vllm_temporalkv.formats import FORMATS
     from vllm_temporalkv.harness.server import VLLMServer
+    from vllm_temporalkv.harness.simulate import OUTLIER_SUFFIX
 
     # "<format>-o1": the plugin's format with 1% exact outliers (the artifact holds the thresholds), "-o0.5" with
     # 0.5% (temporalkv_outliers takes a percentage up to 1); "<format>@windowN": with a recent window of N
     # half-precision tokens (temporalkv_recent_window)
     base, _, variant = fmt.partition("@")
-    m = re.search(r"-o(\d+(?:\.\d+)?)$", base)
+    m = OUTLIER_SUFFIX.search(base)
     dtype, outliers = (base[: m.start()], float(m.group(1))) if m and base[: m.start()] in FORMATS else (base, None)
     options = {}
     if args.artifact and dtype in FORMATS:

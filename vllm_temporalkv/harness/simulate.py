@@ -71,7 +71,7 @@ def layers_of(ablation: str | None) -> range | None:
     return None
 
 
-_OUTLIER_SUFFIX = re.compile(r"-o(\d+(?:\.\d+)?)$")
+OUTLIER_SUFFIX = re.compile(r"-o(\d+(?:\.\d+)?)$")  # "<format>-o<percent of values kept exact>"
 
 
 def parse_config(name: str) -> tuple[str | None, bool | float, str | None]:
@@ -80,7 +80,7 @@ def parse_config(name: str) -> tuple[str | None, bool | float, str | None]:
     base, _, ablation = name.partition("@")
     if base == "bf16":
         return None, False, None
-    m = _OUTLIER_SUFFIX.search(base)
+    m = OUTLIER_SUFFIX.search(base)
     if m is None:
         return base, False, ablation or None
     pct = float(m.group(1))
