@@ -425,32 +425,65 @@ inline void dec_scaled_rows(const Codec& cd, int D, const uint8_t* codes, const 
   }
 }
 
-// TaDA, rows of one block of head h: dst[t][c] = mean[t][c] - (code * scale + min) (two roundings, then the
-// difference: TadaCodec.decode's float32 ops), the scale and min of c's group; the head mean's channels from the
-// records of every head of the page (rec0: head 0's), each keeping mean_c of them.  MEAN = false (AFFINE, QJL's
-// values): dst[t][c] = code * scale + min (qjl.decode_values' float32 ops)
-template <int BITS, bool MEAN = true>
-inline void dec_tada_rows(const Codec& cd, const Layout& L, const uint8_t* rec0, int h, int slot, float* dst,
-                          int ld) {
+// TaDA's deviations (AFFINE: the values), rows of one block: dst[t][c] = code * scale + min (two roundings: the
+// torch codecs' float32 ops), the scale and min of c's group
+template <int BITS>
+inline void dec_affine_rows(const Codec& cd, int D, const uint8_t* codes, const uint16_t* par, float* dst, int ld) {
   const Unpack<BITS> un;
-  const int D = L.D, rowb = D * BITS / 8, G = D / cd.group;
-  const uint8_t* rec = rec0 + (int64_t)h * L.rec_bytes;
-  const uint8_t* codes = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
-  const uint16_t* par = reinterpret_cast<const uint16_t*>(rec + cd.scales_off) + (int64_t)slot * BLOCK * 2 * G;
-  alignas(64) float mean[MAX_D];
+  const int rowb = D * BITS / 8, G = D / cd.group;
   for (int t = 0; t < BLOCK; ++t) {
-    for (int sh = 0, c0 = 0; MEAN && c0 < D; ++sh, c0 += cd.mean_c) {  // head sh's share: channels c0 .. + mean_c - 1
-      const uint16_t* m = reinterpret_cast<const uint16_t*>(rec0 + (int64_t)sh * L.rec_bytes + cd.mean_off) +
-                          ((int64_t)slot * BLOCK + t) * cd.mean_c;
-      half_to_f32(mean + c0, m, D - c0 < cd.mean_c ? D - c0 : cd.mean_c, L.bf16);
-    }
     const uint8_t* row = codes + (int64_t)t * rowb;
     const uint16_t* pt = par + (int64_t)t * 2 * G;
     for (int gi = 0; gi < G; ++gi) {  // (W divides the group: 32 | 128 or the whole head)
       const vf sc = vbc(fp16_to_f32(pt[gi])), mn = vbc(fp16_to_f32(pt[G + gi]));  // once per group, not per vector
-      for (int c0 = gi * cd.group; c0 < (gi + 1) * cd.group; c0 += W) {
-        const vf dev = __builtin_convertvector(un(row, c0), vf) * sc + mn;
-        vstore(dst + (int64_t)t * ld + c0, MEAN ? vload(mean + c0) - dev : dev);
+      for (int c0 = gi * cd.group; c0 < (gi + 1) * cd.group; c0 += W)
+        vstore(dst + (int64_t)t * ld + c0, __builtin_convertvector(un(row, c0), vf) * sc + mn);
+    }
+  }
+}
+
+// TaDA, rows of one block of head h: dst[t][c] = mean[t][c] - (code * scale + min) (TadaCodec.decode's float32 ops:
+// two roundings, then the difference); the head mean's channels from the records of every head of the page (rec0:
+// head 0's), head sh keeping channels sh * mean_c .. + mean_c - 1.  MEAN = false (AFFINE, QJL's values): the
+// deviations alone.  The deviations go to aligned rows first, then each head's share of the mean is converted W
+// channels at a time straight from its record and the difference stored (a share's last vector overlaps the one
+// before it and stores the same values again).  Assembling each token's mean first cost a scalar tail per share and
+// a vector reload of those scalar stores (a stalled store forward): ~3/4 of TaDA's decode attention.  Shares
+// narrower than W (more KV heads than D / W) take that assembly still.
+template <int BITS, bool MEAN = true>
+inline void dec_tada_rows(const Codec& cd, const Layout& L, const uint8_t* rec0, int h, int slot, float* dst,
+                          int ld) {
+  const int D = L.D, G = D / cd.group;
+  const uint8_t* rec = rec0 + (int64_t)h * L.rec_bytes;
+  const uint8_t* codes = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
+  const uint16_t* par = reinterpret_cast<const uint16_t*>(rec + cd.scales_off) + (int64_t)slot * BLOCK * 2 * G;
+  if constexpr (!MEAN) {
+    dec_affine_rows<BITS>(cd, D, codes, par, dst, ld);
+  } else {
+    const int mc = cd.mean_c, shares = (D + mc - 1) / mc, last = D - (shares - 1) * mc;
+    auto share = [&](int sh) {  // head sh's share of the block's 8 tokens: [8][mean_c]
+      return reinterpret_cast<const uint16_t*>(rec0 + (int64_t)sh * L.rec_bytes + cd.mean_off) +
+             (int64_t)slot * BLOCK * mc;
+    };
+    alignas(64) float dev[BLOCK * MAX_D];
+    dec_affine_rows<BITS>(cd, D, codes, par, dev, D);
+    if (mc >= W && last >= W) {
+      for (int sh = 0; sh < shares; ++sh) {
+        const int c0 = sh * mc, n = sh + 1 < shares ? mc : last;
+        const uint16_t* m = share(sh);
+        for (int t = 0; t < BLOCK; ++t, m += mc)
+          for (int j = 0; j < n; j += W) {
+            const int jj = j + W <= n ? j : n - W;
+            vstore(dst + (int64_t)t * ld + c0 + jj, vload_half(m + jj, L.bf16) - vload(dev + t * D + c0 + jj));
+          }
+      }
+    } else {
+      alignas(64) float mean[MAX_D];
+      for (int t = 0; t < BLOCK; ++t) {
+        for (int sh = 0; sh < shares; ++sh)
+          half_to_f32(mean + sh * mc, share(sh) + (int64_t)t * mc, sh + 1 < shares ? mc : last, L.bf16);
+        for (int c0 = 0; c0 < D; c0 += W)
+          vstore(dst + (int64_t)t * ld + c0, vload(mean + c0) - vload(dev + t * D + c0));
       }
     }
   }

@@ -117,10 +117,12 @@ def test_decode_steps_write_the_window_as_request_by_request(case):
         assert torch.equal(pages, loop)
 
 
-def test_tada_head_mean_shares_with_a_remainder():
+@pytest.mark.parametrize("H", [3, 8])
+def test_tada_head_mean_shares_with_a_remainder(H):
     """3 KV heads of 64 channels: each head's record keeps a share of 22, 22 and 20 channels of the per-token head
-    mean, so the vectorized read of a share ends in element-wise rest on every ISA: bit for bit the torch path."""
-    H, D = 3, 64
+    mean, so a share's last vector overlaps the one before it; 8 heads: shares of 8 channels, narrower than an
+    AVX-512 vector (the decoder assembles the mean first there).  Every ISA, bit for bit the torch path."""
+    D = 64
     lc = make_cache("tada-4bit", D, False, torch.bfloat16, 1, H=H, GQ=3, block_size=32, window=16)
     pages, tables, _ = _write_prefix(lc, LENS[-4:], H, D, seed=4)
     before = cpu.isa()
