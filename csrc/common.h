@@ -121,8 +121,10 @@ struct EncodeArgs {
   const uint16_t* vh;
   const int64_t* pos;  // [N]
   const int64_t* pid;  // [N]
-  const int64_t* ends; // [E] indices of the tokens that complete a block
-  const int64_t* ring = nullptr;  // small pages: [N] each token's ring page (its tail slot p % 8); else its page
+  // [E][5] the blocks to encode: first position, page, ring page (where rows not in this call's input wait: slot
+  // ring0 + p % ring), input row of the first position (if it were in the input), first position in the input
+  const int64_t* blocks;
+  int small = 0;       // small pages: ring slots from 0 (the exact pages'); else from TAIL0
   const float* cos;    // [P, D/2]
   const float* sin;
   float s2;            // rope scale ** 2
@@ -193,7 +195,7 @@ struct Kernels {
   void (*decode_item)(const DecodeArgs&, int64_t item);
   void (*decode_merge)(const DecodeArgs&, int64_t rh);
   void (*gather_block)(const GatherArgs&, int64_t item);  // item = (block - 1) * H + h
-  void (*encode_item)(const EncodeArgs&, int64_t item);   // item = end index * H + h
+  void (*encode_item)(const EncodeArgs&, int64_t item);   // item = block * H + h
   void (*nearest_rows)(const float* vecs, const float* centT, int64_t* out, int64_t n, int K, int v);
   void (*prefill_item)(const PrefillArgs&, int64_t item);  // item = h * groups + group of PF_ROWS rows
   void (*window_item)(const WindowArgs&, int64_t item);    // item = h * chunks + chunk of WIN_ROWS queries

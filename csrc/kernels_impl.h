@@ -1947,42 +1947,146 @@ inline void encode_rows(const Codec& cd, const Layout& L, int h, float* X, uint8
   }
 }
 
-// One (block-completing token, KV head): the block's 8 rows from this call's input or the page's
-// tail slots, keys un-rotated and rounded to the model dtype, then K and V encoded.
+// ---- scaled codes (no codebook): the selective formats' and TaDA's encoders ---------------------
+constexpr float SCALE_EPS = 5.9604644775390625e-8f;  // 2**-24, the smallest positive fp16: both codecs' EPS
+
+// n codes of `bits` bits (8, 4 or 2) packed along a row, the lowest channel in the lowest bits (pack_block_codes)
+inline void pack_row(const int* code, int n, int bits, uint8_t* row) {
+  const int per = 8 / bits;
+  for (int i = 0; i < n / per; ++i) {
+    int b = 0;
+    for (int e = 0; e < per; ++e) b |= code[i * per + e] << (e * bits);
+    row[i] = (uint8_t)b;
+  }
+}
+
+// SCALED (SelectiveQuantizer.encode), rows X [8][D]: per token scale = absmax / qmax + eps rounded to fp16, codes
+// round(x / scale) (half to even) clamped to +-qmax, stored + qoff; float32 ops in torch's order
+inline void encode_scaled_rows(const Codec& cd, const Layout& L, const float* X, uint8_t* rec, int slot) {
+  const int D = L.D, qmax = cd.qoff - 1, rowb = D * cd.bits / 8;
+  uint8_t* out = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
+  uint16_t* sc = reinterpret_cast<uint16_t*>(rec + cd.scales_off) + (int64_t)slot * BLOCK;
+  int code[MAX_D];
+  for (int t = 0; t < BLOCK; ++t) {
+    const float* x = X + t * D;
+    float am = 0.f;
+    for (int c = 0; c < D; ++c) {
+      const float v = __builtin_fabsf(x[c]);
+      am = v > am ? v : am;
+    }
+    sc[t] = f32_to_fp16(am / (float)qmax + SCALE_EPS);
+    const float s = fp16_to_f32(sc[t]);
+    for (int c = 0; c < D; ++c) {
+      float q = __builtin_rintf(x[c] / s);
+      q = q < (float)-qmax ? (float)-qmax : q > (float)qmax ? (float)qmax : q;
+      code[c] = (int)q + cd.qoff;
+    }
+    pack_row(code, D, cd.bits, out + t * rowb);
+  }
+}
+
+// TADA (TadaQuantizer.encode), XA [H][8][D]: every head's rows of the block.  Per token the head mean (summed in
+// head order, divided by H: torch's mean over up to 16 heads) rounded to the store half; head h's deviations
+// mean - x per group: min to fp16, scale (max - min) / qmax (at least eps) to fp16, codes round((dev - min) /
+// scale) clamped to 0 .. qmax.  Head h's record keeps its codes, its scales then mins, and its share of the mean
+// (channels h * mean_c .., zero past D: split_head_mean)
+inline void encode_tada_rows(const Codec& cd, const Layout& L, int h, const float* XA, uint8_t* rec, int slot) {
+  const int H = L.H, D = L.D, G = D / cd.group, qmax = (1 << cd.bits) - 1, rowb = D * cd.bits / 8, mc = cd.mean_c;
+  uint8_t* out = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
+  uint16_t* par = reinterpret_cast<uint16_t*>(rec + cd.scales_off) + (int64_t)slot * BLOCK * 2 * G;
+  uint16_t* share = reinterpret_cast<uint16_t*>(rec + cd.mean_off) + (int64_t)slot * BLOCK * mc;
+  const float* X = XA + (int64_t)h * BLOCK * D;
+  float mean[MAX_D], dev[MAX_D];
+  int code[MAX_D];
+  for (int t = 0; t < BLOCK; ++t) {
+    for (int c = 0; c < D; ++c) {
+      float s = XA[t * D + c];
+      for (int j = 1; j < H; ++j) s += XA[((int64_t)j * BLOCK + t) * D + c];
+      mean[c] = round_half(s / (float)H, L.bf16);
+    }
+    for (int j = 0; j < mc; ++j) {
+      const int c = h * mc + j;
+      share[t * mc + j] = c < D ? f2h(mean[c], L.bf16) : 0;
+    }
+    for (int c = 0; c < D; ++c) dev[c] = mean[c] - X[t * D + c];
+    for (int gi = 0; gi < G; ++gi) {
+      const float* d = dev + gi * cd.group;
+      float lo = d[0], hi = d[0];
+      for (int c = 1; c < cd.group; ++c) {
+        lo = d[c] < lo ? d[c] : lo;
+        hi = d[c] > hi ? d[c] : hi;
+      }
+      const uint16_t mn16 = f32_to_fp16(lo);
+      const float mn = fp16_to_f32(mn16);
+      float sf = (hi - mn) / (float)qmax;
+      sf = sf < SCALE_EPS ? SCALE_EPS : sf;  // clamp_min
+      const uint16_t sc16 = f32_to_fp16(sf);
+      const float s = fp16_to_f32(sc16);
+      par[t * 2 * G + gi] = sc16;
+      par[t * 2 * G + G + gi] = mn16;
+      for (int c = 0; c < cd.group; ++c) {
+        float q = __builtin_rintf((d[c] - mn) / s);
+        q = q < 0.f ? 0.f : q > (float)qmax ? (float)qmax : q;
+        code[gi * cd.group + c] = (int)q;
+      }
+    }
+    pack_row(code, D, cd.bits, out + t * rowb);
+  }
+}
+
+// One (block, KV head) to encode (EncodeArgs::blocks): the block's 8 rows from this call's input or from the ring of
+// their page, keys un-rotated and rounded to the model dtype, then K and V encoded (TaDA: every head's rows, for
+// the head mean; each item writes its own head's record only)
 void encode_item(const EncodeArgs& a, int64_t item) {
   const Layout& L = a.lay;
   const int H = L.H, D = L.D, HD = D / 2;
   const int h = (int)(item % H);
-  const int64_t e = a.ends[item / H];
-  const int64_t pe = a.pos[e], pg = a.pid[e];
+  const int64_t* blk = a.blocks + (item / H) * 5;
+  const int64_t pos0 = blk[0], pg = blk[1], rpg = blk[2], in0 = blk[3], first_in = blk[4];
   uint8_t* rec = a.pages + (pg * H + h) * L.rec_bytes;
-  const uint8_t* trec = a.ring ? a.pages + (a.ring[e] * H + h) * L.rec_bytes : rec;  // the tail's page
-  const int t0 = a.ring ? 0 : TAIL0;
-  const int slot = (int)((pe % L.block_size) / BLOCK);
-  alignas(64) float X[BLOCK * MAX_D];
+  const int s0 = a.small ? 0 : TAIL0;  // the ring's first slot: token p waits in s0 + p % ring
+  const int slot = (int)((pos0 % L.block_size) / BLOCK);
+  alignas(64) float X1[BLOCK * MAX_D];
+  float* XA = nullptr;
   for (int kind = 0; kind < 2; ++kind) {
-    for (int r = 0; r < BLOCK; ++r) {
-      const int64_t src = e - (BLOCK - 1) + r;
-      const int64_t pr = pe - (BLOCK - 1) + r;
-      const bool ok = src >= 0 && a.pid[src] == pg && a.pos[src] == pr;
-      const uint16_t* row = ok ? (kind ? a.vh : a.kh) + (src * H + h) * D : region_row(trec, L, t0 + r, kind);
-      float* x = X + r * D;
-      for (int c = 0; c < D; c += W) vstore(x + c, vload_half(row + c, L.bf16));
-      if (kind == 0) {  // Rope.invert: (x * cos - rotate_half(x) * sin) / scale**2, then the model dtype
-        const float* C = a.cos + pr * HD;  // cos/sin of channel c + D/2 equal those of c (HD: a multiple of W)
-        const float* Sn = a.sin + pr * HD;
-        const vf s2 = vbc(a.s2);
-        for (int c = 0; c < HD; c += W) {  // rotate_half: -x[c + HD] for channel c, x[c] for channel c + HD
-          const vf x1 = vload(x + c), x2 = vload(x + c + HD), cs = vload(C + c), sn = vload(Sn + c);
-          const vf y1 = (x1 * cs - (-x2) * sn) / s2;
-          const vf y2 = (x2 * cs - x1 * sn) / s2;
-          vstore(x + c, vround_to(y1, L.round));
-          vstore(x + c + HD, vround_to(y2, L.round));
+    const Codec& cd = kind ? a.v : a.k;
+    const bool all = cd.method == TADA;
+    float* X = X1;
+    if (all) {
+      if (!XA) XA = static_cast<float*>(__builtin_malloc(sizeof(float) * H * BLOCK * D));
+      X = XA;
+    }
+    for (int hh = all ? 0 : h; hh < (all ? H : h + 1); ++hh) {
+      float* Xh = X + (all ? (int64_t)hh * BLOCK * D : 0);
+      const uint8_t* trec = a.pages + (rpg * H + hh) * L.rec_bytes;
+      for (int r = 0; r < BLOCK; ++r) {
+        const int64_t pr = pos0 + r;
+        const uint16_t* row = pr >= first_in ? (kind ? a.vh : a.kh) + ((in0 + r) * H + hh) * D
+                                             : region_row(trec, L, s0 + (int)(pr % L.ring), kind);
+        float* x = Xh + r * D;
+        for (int c = 0; c < D; c += W) vstore(x + c, vload_half(row + c, L.bf16));
+        if (kind == 0) {  // Rope.invert: (x * cos - rotate_half(x) * sin) / scale**2, then the model dtype
+          const float* C = a.cos + pr * HD;  // cos/sin of channel c + D/2 equal those of c (HD: a multiple of W)
+          const float* Sn = a.sin + pr * HD;
+          const vf s2 = vbc(a.s2);
+          for (int c = 0; c < HD; c += W) {  // rotate_half: -x[c + HD] for channel c, x[c] for channel c + HD
+            const vf x1 = vload(x + c), x2 = vload(x + c + HD), cs = vload(C + c), sn = vload(Sn + c);
+            const vf y1 = (x1 * cs - (-x2) * sn) / s2;
+            const vf y2 = (x2 * cs - x1 * sn) / s2;
+            vstore(x + c, vround_to(y1, L.round));
+            vstore(x + c + HD, vround_to(y2, L.round));
+          }
         }
       }
     }
-    encode_rows(kind ? a.v : a.k, L, h, X, rec, slot);
+    if (all)
+      encode_tada_rows(cd, L, h, XA, rec, slot);
+    else if (cd.method == SCALED)
+      encode_scaled_rows(cd, L, X, rec, slot);
+    else
+      encode_rows(cd, L, h, X, rec, slot);
   }
+  if (XA) __builtin_free(XA);
 }
 
 #include "prefill_impl.h"

@@ -394,6 +394,39 @@ std::vector<at::Tensor> gather(const at::Tensor& pages, const at::Tensor& block_
   return {K, V};
 }
 
+// What the encoders take: codebook codes, the selective formats' scaled ones and TaDA's (its head mean over at most
+// 16 heads: torch sums that many in head order); not QJL's sketches or its values' affine codes (the torch path)
+void check_encodes(const EncodeArgs& a) {
+  for (const Codec* c : {&a.k, &a.v})
+    TORCH_CHECK(c->method < SCALED || c->method == SCALED || (c->method == TADA && a.lay.H <= 16),
+                "write_kv encodes codebook codes, the selective formats' and TaDA's (<= 16 KV heads); "
+                "QJL: the torch path");
+}
+
+// The K/V rows and RoPE tables of an encode (write_kv, write_kv_window)
+void check_rows(const at::Tensor& kh, const at::Tensor& vh, const at::Tensor& cos, const at::Tensor& sin,
+                const Layout& L, int64_t max_pos) {
+  const int64_t N = kh.size(0), H = L.H, D = L.D;
+  const auto dt = L.bf16 ? at::kBFloat16 : at::kHalf;
+  TORCH_CHECK(kh.scalar_type() == dt && vh.scalar_type() == dt && kh.is_contiguous() && vh.is_contiguous() &&
+                  kh.sizes() == at::IntArrayRef({N, H, D}) && vh.sizes() == kh.sizes(),
+              "key/value: contiguous [N, H, D] in the cache's half dtype");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D / 2 && cos.size(0) > max_pos && sin.sizes() == cos.sizes(),
+              "cos/sin: [P > max position, D/2]");
+}
+
+// Row i's K/V (store half) into region slot `slot` of page `page`, every head
+void put_row(const EncodeArgs& a, int64_t i, int64_t page, int64_t slot) {
+  const int64_t H = a.lay.H, D = a.lay.D;
+  for (int64_t h = 0; h < H; ++h) {
+    uint16_t* reg = reinterpret_cast<uint16_t*>(a.pages + (page * H + h) * a.lay.rec_bytes) + slot * 2 * D;
+    std::memcpy(reg, a.kh + (i * H + h) * D, D * 2);
+    std::memcpy(reg + D, a.vh + (i * H + h) * D, D * 2);
+  }
+}
+
 // Twin of paged_torch.write_kv.  kh/vh [N, H, D] in the model dtype; positions/page_ids [N] int64;
 // cos/sin [P > max position, D/2] from Rope.cos_sin; s2 = rope.scale ** 2.
 void write_kv(const at::Tensor& pages, const at::Tensor& kh, const at::Tensor& vh, const at::Tensor& positions,
@@ -406,19 +439,13 @@ void write_kv(const at::Tensor& pages, const at::Tensor& kh, const at::Tensor& v
   a.k = make_codec(kt, ki, a.lay);
   a.v = make_codec(vt, vi, a.lay);
   check_pages(pages, a.lay);
-  TORCH_CHECK(a.k.method < SCALED && a.v.method < SCALED && a.lay.window == 0,
-              "write_kv encodes codebook codes without a recent window (scaled codes and windows: the torch path)");
-  const int64_t N = kh.size(0), H = a.lay.H, D = a.lay.D, bs = a.lay.block_size;
-  const auto dt = a.lay.bf16 ? at::kBFloat16 : at::kHalf;
-  TORCH_CHECK(kh.scalar_type() == dt && vh.scalar_type() == dt && kh.is_contiguous() && vh.is_contiguous() &&
-                  kh.sizes() == at::IntArrayRef({N, H, D}) && vh.sizes() == kh.sizes(),
-              "key/value: contiguous [N, H, D] in the cache's half dtype");
+  check_encodes(a);
+  TORCH_CHECK(a.lay.window == 0, "write_kv: a layout without a recent window (with one: write_kv_window)");
+  const int64_t N = kh.size(0), H = a.lay.H;
   TORCH_CHECK(positions.scalar_type() == at::kLong && page_ids.scalar_type() == at::kLong &&
                   positions.is_contiguous() && page_ids.is_contiguous() && positions.numel() == N &&
                   page_ids.numel() == N,
               "positions/page_ids: contiguous int64 [N]");
-  check_f32(cos, "cos");
-  check_f32(sin, "sin");
   const bool small = sink_pages.numel() > 0;  // small pages: each token's sink page and ring page
   if (small)
     TORCH_CHECK(sink_pages.scalar_type() == at::kLong && ring_pages.scalar_type() == at::kLong &&
@@ -439,45 +466,112 @@ void write_kv(const at::Tensor& pages, const at::Tensor& kh, const at::Tensor& v
     TORCH_CHECK(pos[i] >= 0 && pid[i] >= 0 && pid[i] < pages.size(0), "bad position or page id");
     max_pos = std::max(max_pos, pos[i]);
   }
-  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D / 2 && cos.size(0) > max_pos && sin.sizes() == cos.sizes(),
-              "cos/sin: [P > max position, D/2]");
-  std::vector<int64_t> ends;
-  for (int64_t i = 0; i < N; ++i)
-    if (pos[i] >= SINKS && pos[i] % BLOCK == BLOCK - 1) ends.push_back(i);
+  check_rows(kh, vh, cos, sin, a.lay, max_pos);
+  // the blocks this call completes: their rows from the input where a row of the same page and position is there
+  // (a request's tokens are in order: a suffix of the block), the others from its tail slots
+  std::vector<int64_t> blocks;
+  for (int64_t e = 0; e < N; ++e) {
+    if (pos[e] < SINKS || pos[e] % BLOCK != BLOCK - 1) continue;
+    const int64_t pos0 = pos[e] - (BLOCK - 1);
+    int64_t first = pos[e];
+    for (int r = BLOCK - 2; r >= 0; --r) {
+      const int64_t src = e - (BLOCK - 1) + r;
+      if (!(src >= 0 && pid[src] == pid[e] && pos[src] == pos0 + r)) break;
+      first = pos0 + r;
+    }
+    blocks.insert(blocks.end(), {pos0, pid[e], small ? rpg[e] : pid[e], e - (BLOCK - 1), first});
+  }
   a.pages = pages.data_ptr<uint8_t>();
   a.kh = reinterpret_cast<const uint16_t*>(kh.data_ptr());
   a.vh = reinterpret_cast<const uint16_t*>(vh.data_ptr());
-  a.pos = pos;
-  a.pid = pid;
-  a.ends = ends.data();
-  a.ring = rpg;
+  a.blocks = blocks.data();
+  a.small = small;
   a.cos = cos.data_ptr<float>();
   a.sin = sin.data_ptr<float>();
   a.s2 = (float)s2;
   const Kernels* kern = g_kernels;
   // 1. encode the completed blocks (reads tail slots before step 2 may reuse them)
-  parallel_items((int64_t)ends.size() * H, [&](int64_t i) { kern->encode_item(a, i); });
+  parallel_items((int64_t)blocks.size() / 5 * H, [&](int64_t i) { kern->encode_item(a, i); });
   // 2. sinks, and tokens whose block is not completed within this call, go to the region
-  uint8_t* pg = a.pages;
   for (int64_t i = 0; i < N; ++i) {
     const int64_t p = pos[i], off = p % BLOCK;
-    int64_t slot, page;
     if (p < SINKS) {
-      slot = p;
-      page = small ? spg[i] : pid[i];
+      put_row(a, i, small ? spg[i] : pid[i], p);
     } else {
       const int64_t j = i + (BLOCK - 1 - off);
       if (j < N && pid[j] == pid[i] && pos[j] == p + (BLOCK - 1 - off)) continue;  // encoded
-      slot = (small ? 0 : TAIL0) + off;
-      page = small ? rpg[i] : pid[i];
-    }
-    for (int64_t h = 0; h < H; ++h) {
-      uint16_t* reg = reinterpret_cast<uint16_t*>(pg + (page * H + h) * a.lay.rec_bytes) + slot * 2 * D;
-      std::memcpy(reg, a.kh + (i * H + h) * D, D * 2);
-      std::memcpy(reg + D, a.vh + (i * H + h) * D, D * 2);
+      put_row(a, i, small ? rpg[i] : pid[i], (small ? 0 : TAIL0) + off);
     }
   }
-  (void)bs;
+}
+
+// Twin of paged_torch.write_kv_window (a layout with a recent window): request r's tokens are rows
+// query_start_loc[r] .. [r + 1] of kh / vh, the last of its seq_lens[r]; the blocks that leave the window as it
+// grows from ctx to n tokens are encoded (rows from this call's input or from the ring of their page, all read
+// before anything is written), then the tokens still exact go to the sinks (page 0 of its table) or the ring (slot
+// TAIL0 + p % ring of their page).  block_tables [R, >= pages of n] int32.
+void write_kv_window(const at::Tensor& pages, const at::Tensor& kh, const at::Tensor& vh,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                     const at::Tensor& cos, const at::Tensor& sin, double s2, const std::vector<at::Tensor>& kt,
+                     const std::vector<int64_t>& ki, const std::vector<at::Tensor>& vt, const std::vector<int64_t>& vi,
+                     const std::vector<int64_t>& li) {
+  EncodeArgs a;
+  a.lay = make_layout(li);
+  a.k = make_codec(kt, ki, a.lay);
+  a.v = make_codec(vt, vi, a.lay);
+  check_pages(pages, a.lay);
+  check_encodes(a);
+  const int w = a.lay.window;
+  TORCH_CHECK(w > 0, "write_kv_window: a layout with a recent window (without one: write_kv)");
+  const int64_t R = seq_lens.numel(), N = kh.size(0), H = a.lay.H, bs = a.lay.block_size;
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  query_start_loc.is_contiguous() && seq_lens.is_contiguous() && query_start_loc.numel() == R + 1,
+              "query_start_loc [R + 1] / seq_lens [R]: contiguous int64");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == R &&
+                  block_tables.stride(1) == 1,
+              "block_tables: int32 [R, pages], rows contiguous");
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int64_t bst = block_tables.stride(0), P = pages.size(0);
+  TORCH_CHECK(qsl[0] == 0 && qsl[R] == N, "query_start_loc must run from 0 to the rows of key/value");
+  int64_t max_pos = 0;
+  std::vector<int64_t> blocks;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t q0 = qsl[r], q1 = qsl[r + 1], n = lens[r], ctx = n - (q1 - q0);
+    TORCH_CHECK(q0 <= q1 && ctx >= 0, "request ", r, ": more new tokens than its sequence length");
+    if (q1 == q0) continue;
+    TORCH_CHECK((n + bs - 1) / bs <= block_tables.size(1), "request ", r, ": its block table is too short");
+    for (int64_t j = 0; j < (n + bs - 1) / bs; ++j)
+      TORCH_CHECK(bt[r * bst + j] >= 0 && bt[r * bst + j] < P, "request ", r, ": page out of range");
+    max_pos = std::max(max_pos, n - 1);
+    for (int64_t p0 = exact_from(ctx, w), hi = exact_from(n, w); p0 < hi; p0 += BLOCK) {
+      const int64_t page = bt[r * bst + p0 / bs];
+      blocks.insert(blocks.end(), {p0, page, page, q0 + p0 - ctx, ctx});
+    }
+  }
+  check_rows(kh, vh, cos, sin, a.lay, max_pos);
+  if (N == 0) return;
+  a.pages = pages.data_ptr<uint8_t>();
+  a.kh = reinterpret_cast<const uint16_t*>(kh.data_ptr());
+  a.vh = reinterpret_cast<const uint16_t*>(vh.data_ptr());
+  a.blocks = blocks.data();
+  a.cos = cos.data_ptr<float>();
+  a.sin = sin.data_ptr<float>();
+  a.s2 = (float)s2;
+  const Kernels* kern = g_kernels;
+  // 1. encode the blocks leaving the window (their ring rows read before step 2 may reuse the slots)
+  parallel_items((int64_t)blocks.size() / 5 * H, [&](int64_t i) { kern->encode_item(a, i); });
+  // 2. the tokens still exact after this call: the sinks, and those from exact_from(n) on
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t q0 = qsl[r], q1 = qsl[r + 1], n = lens[r], ctx = n - (q1 - q0), hi = exact_from(n, w);
+    for (int64_t p = ctx; p < n; ++p) {
+      if (p < SINKS)
+        put_row(a, q0 + p - ctx, bt[r * bst], p);
+      else if (p >= hi)
+        put_row(a, q0 + p - ctx, bt[r * bst + p / bs], TAIL0 + p % a.lay.ring);
+    }
+  }
 }
 
 // Whether prefill_attention can take bf16 scores here: the avx512 kernels in use on a CPU with AVX512_BF16.
@@ -763,6 +857,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &tkv::decode_attention, py::call_guard<py::gil_scoped_release>());
   m.def("gather", &tkv::gather, py::call_guard<py::gil_scoped_release>());
   m.def("write_kv", &tkv::write_kv, py::call_guard<py::gil_scoped_release>());
+  m.def("write_kv_window", &tkv::write_kv_window, py::call_guard<py::gil_scoped_release>());
   m.def("nearest", &tkv::nearest, py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention", &tkv::prefill_attention, py::call_guard<py::gil_scoped_release>());
   m.def("prefill_chunk", &tkv::prefill_chunk, py::call_guard<py::gil_scoped_release>());
@@ -771,5 +866,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("TILE") = tkv::TILE;  // the prefill kernel's key tiles
   m.attr("DECODE_TILE") = tkv::DTILE;
   // bumped whenever an op's arguments change: ops/cpu.py refuses (and says so) a stale build
-  m.attr("ABI_VERSION") = 15;
+  m.attr("ABI_VERSION") = 16;
 }

@@ -65,7 +65,7 @@ def _write_prefix(lc, lens, H, D, seed, room=0):
 def test_the_cpu_path_serves_them():
     for case in CASES:
         lc = _cache(case)
-        assert not cpu.encodes(lc) or not lc.layout.window
+        assert cpu.encodes(lc), case  # and writes them
         mod, name = ops.select(lc, torch.device("cpu"))
         assert mod is cpu, (case, name)
     qjl = LayerCache.build("qjl", 1, head_dim=64, block_size=256, dtype=torch.bfloat16, rope=None, num_kv_heads=2)
@@ -115,6 +115,77 @@ def test_decode_steps_write_the_window_as_request_by_request(case):
         kh, vh = k.to(lc.store_dtype), v.to(lc.store_dtype)
         paged_torch._write_window_requests(lc, loop, region(loop), kh, vh, list(range(R + 1)), lens.tolist(), tables)
         assert torch.equal(pages, loop)
+
+
+def _window_write(write, lc, pages, tables, lens, H, D, seed):
+    """A prefill of every request in uneven chunks, then 12 decode steps of all of them, through ``write``
+    (cpu.write_kv_window or the torch path's): the pages after each call."""
+    g = torch.Generator().manual_seed(seed)
+    R, out = len(lens), []
+    done = [0] * R
+    for cut in (0.3, 0.7, 1.0):  # chunked prefills: several requests' rows in one call, some with none
+        ends = [max(done[r], int(n * cut)) for r, n in enumerate(lens)]
+        qsl = torch.tensor([0] + [e - d for e, d in zip(ends, done)]).cumsum(0)
+        k, v = (torch.randn(int(qsl[-1]), H, D, generator=g).mul(2).to(lc.dtype) for _ in range(2))
+        write(lc, pages, k, v, qsl, torch.tensor(ends), tables)
+        out.append(pages.clone())
+        done = ends
+    n = torch.tensor(lens)
+    for _ in range(12):
+        n = n + 1
+        k, v = (torch.randn(R, H, D, generator=g).to(lc.dtype) for _ in range(2))
+        write(lc, pages, k, v, torch.arange(R + 1), n, tables)
+        out.append(pages.clone())
+    return out
+
+
+@pytest.mark.parametrize("H", [2, 3])
+@pytest.mark.parametrize("case", [c for c in CASES if c[3]], ids=[i for c, i in zip(CASES, IDS) if c[3]])
+def test_cpp_window_write_is_the_torch_path(case, H):
+    """cpu.write_kv_window (the C++ encoders of codebook, selective and TaDA codes, blocks leaving the window from
+    this call's rows or the ring, then the ring and sink writes) against the torch path: the same page bytes after
+    every chunked prefill call and decode step, on every ISA."""
+    fmt, D = case[0], case[1]
+    lc = _cache(case, H=H)
+    lens = LENS[::2]
+    g = torch.Generator().manual_seed(8)
+    per = -(-(max(lens) + 12) // lc.block_size)
+    tables = torch.randperm(len(lens) * per, generator=g).reshape(len(lens), per)
+    pages0 = torch.randint(0, 256, (len(lens) * per, H, lc.layout.bytes), dtype=torch.uint8, generator=g)
+    want = _window_write(paged_torch.write_kv_window, lc, pages0.clone(), tables, lens, H, D, seed=9)
+    before = cpu.isa()
+    try:
+        for isa in cpu.supported_isas():
+            cpu.set_isa(isa)
+            got = _window_write(cpu.write_kv_window, lc, pages0.clone(), tables, lens, H, D, seed=9)
+            for i, (a, b) in enumerate(zip(got, want)):
+                assert torch.equal(a, b), (isa, i)
+    finally:
+        cpu.set_isa(before)
+
+
+@pytest.mark.parametrize("fmt,H", [("tada-4bit", 8), ("tada-2bit", 16), ("selective-int4", 3)])
+def test_cpp_scaled_write_without_window_is_the_torch_path(fmt, H):
+    """The scaled encoders through write_kv (no recent window: blocks completed by this call's tokens or by the
+    tail): TaDA's head mean over 8 and 16 heads (torch's sum order), the same page bytes as the torch path; over
+    16 heads the torch path writes (its sum is no longer in head order)."""
+    D, bs = 64, 32
+    lc = make_cache(fmt, D, False, torch.bfloat16, 1, H=H, GQ=1, block_size=bs, window=0)
+    g = torch.Generator().manual_seed(4)
+    lens = [5, 8, 17, 40, 71]
+    tables = torch.randperm(len(lens) * 3, generator=g).reshape(len(lens), 3)
+    pages0 = torch.randint(0, 256, (len(lens) * 3, H, lc.layout.bytes), dtype=torch.uint8, generator=g)
+    got, want = pages0.clone(), pages0.clone()
+    for lo, hi in ((0, 0.5), (0.5, 1.0)):  # two chunks: the second completes blocks begun in the tail
+        rows = [(r, p) for r, n in enumerate(lens) for p in range(int(n * lo), int(n * hi))]
+        pos = torch.tensor([p for _, p in rows])
+        pid = torch.tensor([int(tables[r, p // bs]) for r, p in rows])
+        k, v = (torch.randn(len(rows), H, D, generator=g).to(lc.dtype) for _ in range(2))
+        cpu.write_kv(lc, got, k, v, pos, pid)
+        paged_torch.write_kv(lc, want, k, v, pos, pid)
+        assert torch.equal(got, want)
+    assert cpu.encodes(lc, got, H) == (H <= 16)
+    assert not cpu.encodes(lc, got, 17) or fmt.startswith("selective")
 
 
 @pytest.mark.parametrize("H", [3, 8])

@@ -70,8 +70,7 @@ def select(lc, device) -> tuple[ModuleType, str]:
             if cpu.encodes(lc):
                 flash = "; prefill attention on torch's flash kernel" if cpu.use_flash_prefill(lc.dtype) else ""
                 return cpu, f"C++ ({cpu.isa()}{flash})"
-            what = "a recent window's" if lc.layout.window else "scaled codes'"
-            return cpu, f"C++ ({cpu.isa()}; {what} cache update in torch)"
+            return cpu, f"C++ ({cpu.isa()}; QJL's key sketches: cache update in torch)"
         if not cpu.available():
             why = "extension not loaded"
         elif lc.kernel_blocker:

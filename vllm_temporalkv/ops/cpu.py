@@ -59,7 +59,7 @@ from .cpu_flash import flash_prefill, register_window_merge
 
 logger = logging.getLogger("vllm.temporalkv")
 
-ABI_VERSION = 15  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
+ABI_VERSION = 16  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
 # split-K: every request's context is cut at the same tile boundaries whatever the batch, so its output does
 # not depend on which requests share the step (a batch-dependent split count changed float32 rounding, and a
 # 2-bit cache amplifies that through the codes of later tokens: benchmarks/stress.py).  Long splits cost less
@@ -275,7 +275,11 @@ def _static_support(lc) -> tuple[bool, bool]:
         # a recent window (lc.blocker: what the layer cache says these kernels cannot decode)
         reads = (lc.blocker(scaled=True, window=True, sketches=True) is None
                  and lc.dtype in (torch.bfloat16, torch.float16, torch.float32) and D % 32 == 0 and D <= 256)
-        have = _SUPPORT[lc] = (reads, reads and lc.kernel_blocker is None)
+        # the C++ encoders (csrc/ops.cpp check_encodes): codebook codes, the selective formats' and TaDA's, with or
+        # without a window; QJL's sketches and its values' affine codes are written by the torch path
+        writes = reads and lc.blocker(scaled=True, window=True) is None and all(
+            q.code_layout.cpu_scaled != "affine" for q in (lc.k, lc.v))
+        have = _SUPPORT[lc] = (reads, writes)
     return have
 
 
@@ -287,11 +291,14 @@ def attends(lc) -> bool:
     return available() and lc.dtype in (torch.bfloat16, torch.float16, torch.float32) and D % 32 == 0 and D <= 256
 
 
-def encodes(lc, pages: torch.Tensor | None = None) -> bool:
-    """Whether ``write_kv`` encodes in C++: codebook codes without a recent window.  The others (scaled codes: one
-    vectorized absmax per token; a window: blocks leave it one request at a time) are written by the torch path,
-    bit-identical by definition, while the kernels still read them."""
-    return supports(lc, pages) and _static_support(lc)[1]
+def encodes(lc, pages: torch.Tensor | None = None, heads: int | None = None) -> bool:
+    """Whether ``write_kv`` / ``write_kv_window`` encode in C++: codebook codes, the selective formats' and TaDA's
+    scaled ones (TaDA's head mean over at most 16 KV heads: the order torch sums them in), with or without a recent
+    window.  QJL's (sign sketches of its keys) are written by the torch path, bit-identical by definition, while
+    the kernels still read them."""
+    return (supports(lc, pages) and _static_support(lc)[1]
+            and (heads is None or heads <= 16 or "tada" not in (lc.k.code_layout.cpu_scaled,
+                                                                  lc.v.code_layout.cpu_scaled)))
 
 
 _NONE32, _NONE64 = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64)  # no small pages
@@ -374,7 +381,7 @@ def write_kv(lc, pages: torch.Tensor, key: torch.Tensor, value: torch.Tensor, po
     """Twin of ``paged_torch.write_kv`` (same arguments, bit-identical pages)."""
     if key.shape[0] == 0:
         return
-    if not encodes(lc, pages):
+    if not encodes(lc, pages, key.shape[1]):
         return paged_torch.write_kv(lc, pages, key, value, positions, page_ids, exact=exact)
     if lc.layout.exact_pages != (exact is not None):
         raise ValueError("small pages are written with their exact pages, other layouts without")
@@ -386,6 +393,22 @@ def write_kv(lc, pages: torch.Tensor, key: torch.Tensor, value: torch.Tensor, po
     kh = key.to(lc.store_dtype).contiguous()
     vh = value.to(lc.store_dtype).contiguous()
     _C.write_kv(pages, kh, vh, pos, pid, cos, sin, float(lc.rope.scale) ** 2, *_args(lc, key.shape[1]), sinks, rings)
+
+
+def write_kv_window(lc, pages: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor) -> None:
+    """Twin of ``paged_torch.write_kv_window`` (same arguments, bit-identical pages): a prefill's blocks and a decode
+    step's alike in one C++ call (the torch path's window glue, ~15 small ops per request, cost a selective or TaDA
+    prefill ~2x the C++ codebook write)."""
+    if key.shape[0] == 0:
+        return
+    if not encodes(lc, pages, key.shape[1]):
+        return paged_torch.write_kv_window(lc, pages, key, value, query_start_loc, seq_lens, block_tables)
+    lens = seq_lens.to(torch.int64).contiguous()
+    cos, sin = rope_tables(lc.rope, int(lens.max()))[:2]
+    _C.write_kv_window(pages, key.to(lc.store_dtype).contiguous(), value.to(lc.store_dtype).contiguous(),
+                       query_start_loc.to(torch.int64).contiguous(), lens, _i32(block_tables), cos, sin,
+                       float(lc.rope.scale) ** 2, *_args(lc, key.shape[1]))
 
 
 def nearest(vecs: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -465,19 +488,19 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
     completes are encoded once, by ``write_kv``, and the attention reads their codes decoded by
     ``gather_kv`` - the same values the torch path gets by encoding and decoding them itself (it must
     attend first). Only the exact values of the context's incomplete block are read before the write,
-    which may reuse their tail slots.  With a recent window (the torch path writes; not on small pages) the
-    same order: a chunk's ring rows are read before its write, the decodes' window update comes last."""
+    which may reuse their tail slots.  With a recent window (``write_kv_window``; not on small pages) the same
+    order: a chunk's ring rows are read before its write, the decodes' window update comes last."""
     if not supports(lc, pages) or batch_invariant:  # the torch path; a prefill chunk's attention on K/V arrays
         return paged_torch.forward(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables,  # is
                                    positions, page_ids, scale, out, batch_invariant, exact=exact,  # any format's
                                    attend_fast=attend_fast if not batch_invariant and attends(lc)
                                    and pages.device.type == "cpu" else None)
     window = lc.layout.window and exact is None
-    if not _static_support(lc)[1] and not window:  # read here, written by the torch path: attend first, then
+    if not _static_support(lc)[1] and not window:  # read here, written by the torch path (QJL): attend first,
         out = paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out,
-                              False, exact)  # the torch update (write_kv_window with a recent window)
+                              False, exact)  # then the torch update (write_kv_window with a recent window)
         if lc.layout.window:
-            paged_torch.write_kv_window(lc, pages, key, value, query_start_loc, seq_lens, block_tables)
+            write_kv_window(lc, pages, key, value, query_start_loc, seq_lens, block_tables)
         else:
             paged_torch.write_kv(lc, pages, key, value, positions, page_ids,
                                  exact=None if exact is None else exact.tokens(query_start_loc, key.shape[0]))
@@ -500,13 +523,13 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
                      lens[r], scale, out[a:b], ex)
     if rows is not None and not rows.numel():  # prefill chunks only: each wrote its own tokens
         return out
-    if window:  # the decodes' window update, on the torch path (_write_decodes_window: all of them at once)
+    if window:  # the decodes' window update (all of them at once)
         if rows is None:
-            paged_torch.write_kv_window(lc, pages, key, value, query_start_loc, seq_lens, block_tables)
+            write_kv_window(lc, pages, key, value, query_start_loc, seq_lens, block_tables)
         else:
             dec = torch.tensor([r for r in range(len(lens)) if qsl[r + 1] - qsl[r] == 1])  # the rows' requests
-            paged_torch.write_kv_window(lc, pages, key[rows], value[rows], torch.arange(rows.numel() + 1),
-                                        seq_lens[dec], block_tables[dec])
+            write_kv_window(lc, pages, key[rows], value[rows], torch.arange(rows.numel() + 1), seq_lens[dec],
+                            block_tables[dec])
         return out
     tok = None if exact is None else exact.tokens(query_start_loc, key.shape[0])  # (region, sink [N], ring [N])
     if rows is None:  # every request a decode
@@ -582,7 +605,7 @@ def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: floa
                          *_args(lc, k.shape[1]), sink, ring, float(scale), out, _bf16_scores(q.dtype, lc.dtype))
         return
     if w:
-        paged_torch.write_kv_window(lc, pages, k, v, torch.tensor([0, nq]), torch.tensor([n]), table[None])
+        write_kv_window(lc, pages, k, v, torch.tensor([0, nq]), torch.tensor([n]), table[None])
     else:
         write_kv(lc, pages, k, v, positions, page_ids, exact=None if exact is None else
                  (exact[0], torch.full((nq,), exact[1], dtype=torch.long), torch.full((nq,), exact[2], dtype=torch.long)))
