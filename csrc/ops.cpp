@@ -427,6 +427,21 @@ void put_row(const EncodeArgs& a, int64_t i, int64_t page, int64_t slot) {
   }
 }
 
+// Step 1 of a cache write: `blocks` (EncodeArgs::blocks, 5 ints each) encoded in parallel, each reading its ring
+// rows before step 2 (the caller's exact writes, put_row) may reuse their slots
+void encode_blocks(EncodeArgs& a, const at::Tensor& pages, const at::Tensor& kh, const at::Tensor& vh,
+                   const std::vector<int64_t>& blocks, const at::Tensor& cos, const at::Tensor& sin, double s2) {
+  a.pages = pages.data_ptr<uint8_t>();
+  a.kh = reinterpret_cast<const uint16_t*>(kh.data_ptr());
+  a.vh = reinterpret_cast<const uint16_t*>(vh.data_ptr());
+  a.blocks = blocks.data();
+  a.cos = cos.data_ptr<float>();
+  a.sin = sin.data_ptr<float>();
+  a.s2 = (float)s2;
+  const Kernels* kern = g_kernels;
+  parallel_items((int64_t)blocks.size() / 5 * a.lay.H, [&](int64_t i) { kern->encode_item(a, i); });
+}
+
 // Twin of paged_torch.write_kv.  kh/vh [N, H, D] in the model dtype; positions/page_ids [N] int64;
 // cos/sin [P > max position, D/2] from Rope.cos_sin; s2 = rope.scale ** 2.
 void write_kv(const at::Tensor& pages, const at::Tensor& kh, const at::Tensor& vh, const at::Tensor& positions,
@@ -441,7 +456,7 @@ void write_kv(const at::Tensor& pages, const at::Tensor& kh, const at::Tensor& v
   check_pages(pages, a.lay);
   check_encodes(a);
   TORCH_CHECK(a.lay.window == 0, "write_kv: a layout without a recent window (with one: write_kv_window)");
-  const int64_t N = kh.size(0), H = a.lay.H;
+  const int64_t N = kh.size(0);
   TORCH_CHECK(positions.scalar_type() == at::kLong && page_ids.scalar_type() == at::kLong &&
                   positions.is_contiguous() && page_ids.is_contiguous() && positions.numel() == N &&
                   page_ids.numel() == N,
@@ -481,17 +496,8 @@ void write_kv(const at::Tensor& pages, const at::Tensor& kh, const at::Tensor& v
     }
     blocks.insert(blocks.end(), {pos0, pid[e], small ? rpg[e] : pid[e], e - (BLOCK - 1), first});
   }
-  a.pages = pages.data_ptr<uint8_t>();
-  a.kh = reinterpret_cast<const uint16_t*>(kh.data_ptr());
-  a.vh = reinterpret_cast<const uint16_t*>(vh.data_ptr());
-  a.blocks = blocks.data();
   a.small = small;
-  a.cos = cos.data_ptr<float>();
-  a.sin = sin.data_ptr<float>();
-  a.s2 = (float)s2;
-  const Kernels* kern = g_kernels;
-  // 1. encode the completed blocks (reads tail slots before step 2 may reuse them)
-  parallel_items((int64_t)blocks.size() / 5 * H, [&](int64_t i) { kern->encode_item(a, i); });
+  encode_blocks(a, pages, kh, vh, blocks, cos, sin, s2);  // 1. the completed blocks (their tail rows read first)
   // 2. sinks, and tokens whose block is not completed within this call, go to the region
   for (int64_t i = 0; i < N; ++i) {
     const int64_t p = pos[i], off = p % BLOCK;
@@ -523,7 +529,7 @@ void write_kv_window(const at::Tensor& pages, const at::Tensor& kh, const at::Te
   check_encodes(a);
   const int w = a.lay.window;
   TORCH_CHECK(w > 0, "write_kv_window: a layout with a recent window (without one: write_kv)");
-  const int64_t R = seq_lens.numel(), N = kh.size(0), H = a.lay.H, bs = a.lay.block_size;
+  const int64_t R = seq_lens.numel(), N = kh.size(0), bs = a.lay.block_size;
   TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   query_start_loc.is_contiguous() && seq_lens.is_contiguous() && query_start_loc.numel() == R + 1,
               "query_start_loc [R + 1] / seq_lens [R]: contiguous int64");
@@ -552,16 +558,7 @@ void write_kv_window(const at::Tensor& pages, const at::Tensor& kh, const at::Te
   }
   check_rows(kh, vh, cos, sin, a.lay, max_pos);
   if (N == 0) return;
-  a.pages = pages.data_ptr<uint8_t>();
-  a.kh = reinterpret_cast<const uint16_t*>(kh.data_ptr());
-  a.vh = reinterpret_cast<const uint16_t*>(vh.data_ptr());
-  a.blocks = blocks.data();
-  a.cos = cos.data_ptr<float>();
-  a.sin = sin.data_ptr<float>();
-  a.s2 = (float)s2;
-  const Kernels* kern = g_kernels;
-  // 1. encode the blocks leaving the window (their ring rows read before step 2 may reuse the slots)
-  parallel_items((int64_t)blocks.size() / 5 * H, [&](int64_t i) { kern->encode_item(a, i); });
+  encode_blocks(a, pages, kh, vh, blocks, cos, sin, s2);  // 1. the blocks leaving the window (ring rows read first)
   // 2. the tokens still exact after this call: the sinks, and those from exact_from(n) on
   for (int64_t r = 0; r < R; ++r) {
     const int64_t q0 = qsl[r], q1 = qsl[r + 1], n = lens[r], ctx = n - (q1 - q0), hi = exact_from(n, w);
