@@ -394,13 +394,22 @@ std::vector<at::Tensor> gather(const at::Tensor& pages, const at::Tensor& block_
   return {K, V};
 }
 
-// What the encoders take: codebook codes, the selective formats' scaled ones and TaDA's (its head mean over at most
-// 16 heads: torch sums that many in head order); not QJL's sketches or its values' affine codes (the torch path)
-void check_encodes(const EncodeArgs& a) {
+// An encode's layout and codecs, checked: the encoders take codebook codes, the selective formats' scaled ones and
+// TaDA's (its head mean over at most 16 heads: torch sums that many in head order); not QJL's sketches or its values'
+// affine codes (the torch path)
+EncodeArgs encode_args(const at::Tensor& pages, const std::vector<at::Tensor>& kt, const std::vector<int64_t>& ki,
+                       const std::vector<at::Tensor>& vt, const std::vector<int64_t>& vi,
+                       const std::vector<int64_t>& li) {
+  EncodeArgs a;
+  a.lay = make_layout(li);
+  a.k = make_codec(kt, ki, a.lay);
+  a.v = make_codec(vt, vi, a.lay);
+  check_pages(pages, a.lay);
   for (const Codec* c : {&a.k, &a.v})
     TORCH_CHECK(c->method < SCALED || c->method == SCALED || (c->method == TADA && a.lay.H <= 16),
                 "write_kv encodes codebook codes, the selective formats' and TaDA's (<= 16 KV heads); "
                 "QJL: the torch path");
+  return a;
 }
 
 // The K/V rows and RoPE tables of an encode (write_kv, write_kv_window)
@@ -449,12 +458,7 @@ void write_kv(const at::Tensor& pages, const at::Tensor& kh, const at::Tensor& v
               const std::vector<at::Tensor>& kt, const std::vector<int64_t>& ki, const std::vector<at::Tensor>& vt,
               const std::vector<int64_t>& vi, const std::vector<int64_t>& li, const at::Tensor& sink_pages,
               const at::Tensor& ring_pages) {
-  EncodeArgs a;
-  a.lay = make_layout(li);
-  a.k = make_codec(kt, ki, a.lay);
-  a.v = make_codec(vt, vi, a.lay);
-  check_pages(pages, a.lay);
-  check_encodes(a);
+  EncodeArgs a = encode_args(pages, kt, ki, vt, vi, li);
   TORCH_CHECK(a.lay.window == 0, "write_kv: a layout without a recent window (with one: write_kv_window)");
   const int64_t N = kh.size(0);
   TORCH_CHECK(positions.scalar_type() == at::kLong && page_ids.scalar_type() == at::kLong &&
@@ -521,12 +525,7 @@ void write_kv_window(const at::Tensor& pages, const at::Tensor& kh, const at::Te
                      const at::Tensor& cos, const at::Tensor& sin, double s2, const std::vector<at::Tensor>& kt,
                      const std::vector<int64_t>& ki, const std::vector<at::Tensor>& vt, const std::vector<int64_t>& vi,
                      const std::vector<int64_t>& li) {
-  EncodeArgs a;
-  a.lay = make_layout(li);
-  a.k = make_codec(kt, ki, a.lay);
-  a.v = make_codec(vt, vi, a.lay);
-  check_pages(pages, a.lay);
-  check_encodes(a);
+  EncodeArgs a = encode_args(pages, kt, ki, vt, vi, li);
   const int w = a.lay.window;
   TORCH_CHECK(w > 0, "write_kv_window: a layout with a recent window (without one: write_kv)");
   const int64_t R = seq_lens.numel(), N = kh.size(0), bs = a.lay.block_size;
