@@ -1960,26 +1960,35 @@ inline void pack_row(const int* code, int n, int bits, uint8_t* row) {
   }
 }
 
+// round half to even of W floats of magnitude < 2**22 (the codes' quotients): adding and subtracting 1.5 * 2**23
+// rounds at the units place in the default rounding mode (-ffp-contract=off keeps the two adds), as torch.round
+inline vf vrint_small(vf x) {
+  const vf big = vbc(12582912.f);
+  return (x + big) - big;
+}
+inline vf vclamp(vf x, float lo, float hi) { return vmin(vmax(x, vbc(lo)), vbc(hi)); }
+
 // SCALED (SelectiveQuantizer.encode), rows X [8][D]: per token scale = absmax / qmax + eps rounded to fp16, codes
 // round(x / scale) (half to even) clamped to +-qmax, stored + qoff; float32 ops in torch's order
 inline void encode_scaled_rows(const Codec& cd, const Layout& L, const float* X, uint8_t* rec, int slot) {
   const int D = L.D, qmax = cd.qoff - 1, rowb = D * cd.bits / 8;
   uint8_t* out = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
   uint16_t* sc = reinterpret_cast<uint16_t*>(rec + cd.scales_off) + (int64_t)slot * BLOCK;
-  int code[MAX_D];
+  alignas(64) int code[MAX_D];
   for (int t = 0; t < BLOCK; ++t) {
     const float* x = X + t * D;
-    float am = 0.f;
-    for (int c = 0; c < D; ++c) {
-      const float v = __builtin_fabsf(x[c]);
-      am = v > am ? v : am;
+    vf am = vf{};
+    for (int c = 0; c < D; c += W) {
+      const vf v = vload(x + c);
+      am = vmax(am, v < 0.f ? -v : v);
     }
-    sc[t] = f32_to_fp16(am / (float)qmax + SCALE_EPS);
-    const float s = fp16_to_f32(sc[t]);
-    for (int c = 0; c < D; ++c) {
-      float q = __builtin_rintf(x[c] / s);
-      q = q < (float)-qmax ? (float)-qmax : q > (float)qmax ? (float)qmax : q;
-      code[c] = (int)q + cd.qoff;
+    float m = am[0];
+    for (int e = 1; e < W; ++e) m = am[e] > m ? am[e] : m;
+    sc[t] = f32_to_fp16(m / (float)qmax + SCALE_EPS);
+    const vf s = vbc(fp16_to_f32(sc[t]));
+    for (int c = 0; c < D; c += W) {
+      const vi q = __builtin_convertvector(vclamp(vrint_small(vload(x + c) / s), -qmax, qmax), vi) + cd.qoff;
+      __builtin_memcpy(code + c, &q, sizeof q);
     }
     pack_row(code, D, cd.bits, out + t * rowb);
   }
@@ -1996,38 +2005,44 @@ inline void encode_tada_rows(const Codec& cd, const Layout& L, int h, const floa
   uint16_t* par = reinterpret_cast<uint16_t*>(rec + cd.scales_off) + (int64_t)slot * BLOCK * 2 * G;
   uint16_t* share = reinterpret_cast<uint16_t*>(rec + cd.mean_off) + (int64_t)slot * BLOCK * mc;
   const float* X = XA + (int64_t)h * BLOCK * D;
-  float mean[MAX_D], dev[MAX_D];
-  int code[MAX_D];
+  const vf hv = vbc((float)H);
+  alignas(64) float mean[MAX_D], dev[MAX_D];
+  alignas(64) int code[MAX_D];
   for (int t = 0; t < BLOCK; ++t) {
-    for (int c = 0; c < D; ++c) {
-      float s = XA[t * D + c];
-      for (int j = 1; j < H; ++j) s += XA[((int64_t)j * BLOCK + t) * D + c];
-      mean[c] = round_half(s / (float)H, L.bf16);
+    for (int c = 0; c < D; c += W) {
+      vf s = vload(XA + t * D + c);
+      for (int j = 1; j < H; ++j) s = s + vload(XA + ((int64_t)j * BLOCK + t) * D + c);
+      const vf m = vround_to(s / hv, L.bf16);
+      vstore(mean + c, m);
+      vstore(dev + c, m - vload(X + t * D + c));
     }
     for (int j = 0; j < mc; ++j) {
       const int c = h * mc + j;
       share[t * mc + j] = c < D ? f2h(mean[c], L.bf16) : 0;
     }
-    for (int c = 0; c < D; ++c) dev[c] = mean[c] - X[t * D + c];
     for (int gi = 0; gi < G; ++gi) {
       const float* d = dev + gi * cd.group;
-      float lo = d[0], hi = d[0];
-      for (int c = 1; c < cd.group; ++c) {
-        lo = d[c] < lo ? d[c] : lo;
-        hi = d[c] > hi ? d[c] : hi;
+      vf lo = vload(d), hi = lo;
+      for (int c = W; c < cd.group; c += W) {
+        lo = vmin(lo, vload(d + c));
+        hi = vmax(hi, vload(d + c));
       }
-      const uint16_t mn16 = f32_to_fp16(lo);
+      float l = lo[0], u = hi[0];
+      for (int e = 1; e < W; ++e) {
+        l = lo[e] < l ? lo[e] : l;
+        u = hi[e] > u ? hi[e] : u;
+      }
+      const uint16_t mn16 = f32_to_fp16(l);
       const float mn = fp16_to_f32(mn16);
-      float sf = (hi - mn) / (float)qmax;
+      float sf = (u - mn) / (float)qmax;
       sf = sf < SCALE_EPS ? SCALE_EPS : sf;  // clamp_min
       const uint16_t sc16 = f32_to_fp16(sf);
-      const float s = fp16_to_f32(sc16);
       par[t * 2 * G + gi] = sc16;
       par[t * 2 * G + G + gi] = mn16;
-      for (int c = 0; c < cd.group; ++c) {
-        float q = __builtin_rintf((d[c] - mn) / s);
-        q = q < 0.f ? 0.f : q > (float)qmax ? (float)qmax : q;
-        code[gi * cd.group + c] = (int)q;
+      const vf s = vbc(fp16_to_f32(sc16)), mv = vbc(mn);
+      for (int c = 0; c < cd.group; c += W) {
+        const vi q = __builtin_convertvector(vclamp(vrint_small((vload(d + c) - mv) / s), 0.f, (float)qmax), vi);
+        __builtin_memcpy(code + gi * cd.group + c, &q, sizeof q);
       }
     }
     pack_row(code, D, cd.bits, out + t * rowb);
