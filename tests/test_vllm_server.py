@@ -46,7 +46,7 @@ def server_2bit(smollm2_dir, tiny_artifact):
 @pytest.fixture(scope="module", params=["selective-int4", "tada-2bit", "qjl"])
 def server_free(smollm2_dir, request):
     """The formats that need no calibration (no artifact anywhere): selective-int4 (seed 003) and tada-2bit (seed 004:
-    the head mean split across the heads' records), read by the C++ kernels and written by the torch path, and qjl
+    the head mean split across the heads' records), read and written by the C++ kernels, and qjl
     (seed 002: post-RoPE key sketches, pages of two sizes - the first 15 layers' sketch is larger) scored by the C++
     decode from its sketches, with the recent-window option at 16
     tokens (their default 128 hides most of the loss on a 1500-token text: selective-int4 +0.007 nats, the size of
@@ -455,8 +455,9 @@ def test_calibration_free_format_serves_as_its_codec(server_free, austen_ids, hf
     assert record < 0.7 * cfg.num_hidden_layers * 2 * head_dim * 2 * 1024  # pages well below bf16 K+V's
     log = server_free.log()
     assert "no calibration needed (recent window 16 tokens)" in log
-    # the C++ kernels read their scaled codes, QJL's key sketches and the window; the torch path writes them
+    # the C++ kernels read their scaled codes, QJL's key sketches and the window, and write all but QJL's
     assert f"{fmt}: attention and cache update on the C++" in log
+    assert ("cache update in torch" in log) == (fmt == "qjl")
 
 
 def test_mixed_format_serves_each_layer_as_its_part(server_mixed, austen_ids, hf_nll, tiny_artifact, smollm2_dir):
