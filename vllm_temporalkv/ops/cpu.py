@@ -275,7 +275,7 @@ def _static_support(lc) -> tuple[bool, bool]:
         # a recent window (lc.blocker: what the layer cache says these kernels cannot decode)
         reads = (lc.blocker(scaled=True, window=True, sketches=True) is None
                  and lc.dtype in (torch.bfloat16, torch.float16, torch.float32) and D % 32 == 0 and D <= 256)
-        # the C++ encoders (csrc/ops.cpp check_encodes): codebook codes, the selective formats' and TaDA's, with or
+        # the C++ encoders (csrc/ops.cpp encode_args): codebook codes, the selective formats' and TaDA's, with or
         # without a window; QJL's sketches and its values' affine codes are written by the torch path
         writes = reads and lc.blocker(scaled=True, window=True) is None and all(
             q.code_layout.cpu_scaled != "affine" for q in (lc.k, lc.v))
@@ -597,7 +597,8 @@ def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: floa
     hi = n // BLOCK_TOKENS * BLOCK_TOKENS
     m = max(hi, min(n, SINK_TOKENS))  # sinks and whole blocks: all in the pages after the write (decoded up to
     x = _own_block(ctx, w)  # the last query's exact start: exact_from(m, w) >= it); exact keys from the first's
-    if not w and not use_flash_prefill(q.dtype):  # write, gather and attend in one C++ call (the same ops)
+    # write, gather and attend in one C++ call (the same ops); TaDA over more than 16 KV heads writes in torch
+    if not w and not use_flash_prefill(q.dtype) and encodes(lc, pages, k.shape[1]):
         cos, sin = rope_tables(lc.rope, n)[:2]
         sink, ring = (-1, -1) if exact is None else exact[1:]
         _C.prefill_chunk(pages, q, k.to(lc.store_dtype), v.to(lc.store_dtype), ke, ve,
