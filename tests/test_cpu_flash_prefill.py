@@ -47,6 +47,26 @@ def test_flash_prefill_matches_the_definition(H, G, D, masked, window, monkeypat
         assert (got.float() - ref).abs().max().item() <= FLASH_TOL * ref.abs().max().item(), (a, b)
 
 
+def test_flash_prefill_gqa_is_the_repeated_heads_answer(monkeypatch):
+    """Part (b) passes the KV heads as they are where torch's flash kernel maps query heads to them (``_flash_gqa``):
+    bit for bit the answer with K/V repeated per query head, on chunks long enough to take the split (b) call."""
+    if not cpu_flash._flash_gqa():
+        pytest.skip("this torch's CPU flash kernel takes one K/V head per query head")
+    monkeypatch.setattr(cpu_flash, "MASKED_MAX", 0)
+    g = torch.Generator().manual_seed(7)
+    H, G, D, n = 3, 3, 64, 700
+    q = torch.randn(n, H * G, D, generator=g).bfloat16()
+    ke, ve, kd, vd = (torch.randn(n, H, D, generator=g).bfloat16() for _ in range(4))
+    for a, b, w in [(0, 700, 0), (40, 500, 0), (300, 700, 0), (0, 640, 32), (129, 700, 16)]:
+        x = cpu._own_block(a, w)
+        args = (q[a:b], kd[:b], vd[:b], ke[x:b], ve[x:b], x, a, D ** -0.5)
+        gqa = cpu_flash.flash_prefill(*args, window=w)
+        with monkeypatch.context() as m:
+            m.setattr(cpu_flash, "_flash_gqa", lambda: False)
+            rep = cpu_flash.flash_prefill(*args, window=w)
+        assert torch.equal(gqa, rep), (a, b, w)
+
+
 @pytest.mark.parametrize("window", [0, 16])
 @pytest.mark.parametrize("isa", cpu.supported_isas())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

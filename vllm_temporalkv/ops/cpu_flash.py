@@ -12,7 +12,8 @@ The definition (``ops.cpu.prefill_attention``): a query at position p attends to
   (a) decoded keys [0, offset - 8): seen by every query of the chunk - one unmasked flash call, the g query heads
       of a KV head folded into the query axis (GQA without copying K/V);
   (b) decoded keys [offset - 8, n - 8): query p sees those <= p - 8 - a causal flash call (top-left aligned: the
-      chunk's i-th query sees the i-th key on), K/V repeated per query head (chunk-sized);
+      chunk's i-th query sees the i-th key on), the KV heads as they are (torch's kernel maps query heads to
+      them: GQA; repeated per query head where it cannot, ``_flash_gqa``);
       For a short chunk (a) and (b) are one flash call over decoded [0, s + Tq) with an additive mask (MASKED_MAX);
   (c) the 8 positions p - 7 .. p: decoded before p's own block, exact from it - in C++ (``window_merge``,
       csrc/prefill_impl.h), which also merges the other parts into the output: per query its 8 scores and the
@@ -98,6 +99,28 @@ def _band(q: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, x0: int, offset: 
     return o, lse
 
 
+@functools.cache
+def _flash_gqa() -> bool:
+    """Whether torch's CPU flash kernel takes fewer K/V heads than query heads (query head i reading K/V head
+    i // (Hq / H), as SDPA's enable_gqa): then part (b) passes the cache's K/V as they are.  A 4096-token chunk of
+    SmolLM2's shape on a 2-core AMX Xeon: 38 ms for the call against 42 ms plus ~3 ms copying K/V per query head,
+    bit-identical outputs (tests/test_cpu_flash_prefill.py)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 3, 8, generator=g) for n in (4, 2, 2))  # 4 query heads on 2 KV heads
+    try:
+        got = _flash(q, k, v, is_causal=True)[0]
+    except RuntimeError:  # a torch whose CPU flash kernel wants one K/V head per query head
+        return False
+    return torch.equal(got, _flash(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)[0])
+
+
+def _heads(x: torch.Tensor, g: int) -> torch.Tensor:
+    """[n, H, D] -> [1, H, n, D] for a flash call with g query heads per KV head (repeated where torch's kernel
+    lacks GQA)."""
+    x = x.transpose(0, 1)
+    return (x if g == 1 or _flash_gqa() else x.repeat_interleave(g, 0))[None]
+
+
 def register_window_merge(fn) -> None:
     global _window_merge
     _window_merge = fn
@@ -136,8 +159,7 @@ def flash_prefill(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, kx: torch
         parts.append((o[0].view(H, g, Tq, D), lse[0].view(H, g, Tq), 0))
     if Tq > qlo:  # (b): queries qlo.. over decoded [max(s, 0), s + Tq), causal from the first
         a, b = max(s, 0), s + Tq
-        kb = kd[a:b].transpose(0, 1).repeat_interleave(g, 0)[None]
-        vb = vd[a:b].transpose(0, 1).repeat_interleave(g, 0)[None]
+        kb, vb = _heads(kd[a:b], g), _heads(vd[a:b], g)
         o, lse = _flash(q[qlo:].transpose(0, 1)[None], kb, vb, is_causal=True, scale=scale)
         parts.append((o[0].view(H, g, Tq - qlo, D), lse[0].view(H, g, Tq - qlo), qlo))
     if window:  # (d)
