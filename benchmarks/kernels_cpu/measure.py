@@ -138,13 +138,28 @@ def bench_format(a, lc, shape: str, fmt: str, B: int, L: int, Q: int, timer, bas
     err, ref = float((got - want).abs().max()), float(want.abs().max())
     tol = TOL * max(1.0, ref)
     row.update(check=f"{c}x{n}, {cq} queries", max_abs_err=err, ref_absmax=ref, tol=tol, check_ok=err <= tol)
+    if Q > 1:  # the timed prefill is the served chunk's (ops.cpu.forward: write, then attend): checked the same way
+        pos = torch.arange(n - cq, n)
+        fwd = cpu_ops.forward(lc, pages.clone(), q[sel], key[sel], val[sel], qsl, sl, bt[:c], pos,
+                              bt[0, pos // lay.block_size].long(), scale, batch_invariant=False).float()
+        ferr = float((fwd - want).abs().max())
+        row.update(served_max_abs_err=ferr, check_ok=row["check_ok"] and ferr <= tol)
+        del fwd
     del want, got
 
     qsl = torch.arange(0, B * Q + 1, Q, dtype=torch.int32)
     sl = torch.full((B,), L, dtype=torch.int32)
     out = torch.empty_like(q)
-    cpp = timer(lambda: cpu_ops.paged_attention(lc, pages, q, key, val, qsl, sl, bt, scale, out=out,
-                                                batch_invariant=False))
+    if Q == 1:  # decode: the fused kernel (the step's cache update not timed)
+        cpp = timer(lambda: cpu_ops.paged_attention(lc, pages, q, key, val, qsl, sl, bt, scale, out=out,
+                                                    batch_invariant=False))
+    else:  # prefill: a served chunk writes its tokens, then attends over the decoded context (ops.cpu.forward);
+        # paged_attention would encode and decode the chunk's own keys in torch first (the torch path's
+        # attend-first order: 2x the served chunk's time for a codebook format on the AMX Xeon)
+        pos = (L - Q + torch.arange(Q)).repeat(B)
+        pid = bt[torch.arange(B).repeat_interleave(Q), pos // lay.block_size].long()
+        cpp = timer(lambda: cpu_ops.forward(lc, pages, q, key, val, qsl, sl, bt, pos, pid, scale, out=out,
+                                            batch_invariant=False))
     tp = None
     if a.torch_path:
         tp = timer(lambda: paged_torch.paged_attention(lc, pages, q, key, val, qsl, sl, bt, scale, out=out,

@@ -58,9 +58,10 @@ def markdown(report: dict) -> str:
         f"Model dtype {s['dtype']}; compressed pages of {s['block_size']} tokens; "
         f"K {'channel-chunked (hybrid layers)' if s['hybrid_k'] else 'as the format'}.",
         "",
-        "One layer, the step's attention (cache update not timed).  C++ = `ops.cpu.paged_attention` (decode: the "
-        f"fused kernel from the codes; prefill: {s.get('prefill_attention', 'the C++ prefill kernel')} on "
-        "C++-gathered K/V), torch = "
+        "One layer, the step's attention.  C++: decode = `ops.cpu.paged_attention`, the fused kernel from the codes "
+        "(the step's cache update not timed); prefill = the served chunk, `ops.cpu.forward`: its tokens written "
+        f"(encoded in C++), then {s.get('prefill_attention', 'the C++ prefill kernel')} on C++-gathered K/V (vLLM's "
+        "and SDPA's prefill rows: the attention alone).  torch = "
         f"`ops.paged_torch.paged_attention`, both `batch_invariant=False`; vLLM {dt} = "
         f"`torch.ops._C.cpu_attention_with_kv_cache` on a {dt} paged cache of the same B x L; SDPA = torch SDPA on "
         f"dense {dt} K/V.  x = baseline ms / C++ ms.  B/tok = bytes read per cached token and layer (codes + "
