@@ -38,6 +38,8 @@ struct Codec {
   int64_t val_off;       // outlier values (model half dtype)
   const float* cent;     // [H, G, KC, v] float32 (QJL: S^T [D][m], the sketch's column c contiguous)
   const float* centT;    // [H, G, v, KC] float32 (encode)
+  const uint16_t* centT16; // centT in float16 bits where half_exact (vector methods; else null): the encode reads it
+                           // (half the bytes of its largest table, cold in a served layer step), the same values
   const float* csq;      // [H, G, KC] float32: each centroid's squared norm (encode's screen, kernels_impl.h)
   const float* cmax;     // [H, G]: the largest of each codebook's csq (NaN if any is)
   const uint16_t* cent16; // [H, G, KC, v] float16 bits (decode attention: half the cache footprint)

@@ -166,6 +166,10 @@ inline vf vload_half(const uint16_t* p, int bf16) {
 #endif
 }
 
+// W centroid-table floats: float32 as they are, float16 bits converted (exact)
+inline vf vload_tab(const float* p) { return vload(p); }
+inline vf vload_tab(const uint16_t* p) { return vload_half(p, 0); }
+
 // n half values -> float32, W at a time then the rest (h2f's values; element by element was ~2/3 of TaDA's decode)
 inline void half_to_f32(float* dst, const uint16_t* src, int n, int bf16) {
   int i = 0;
@@ -1638,8 +1642,8 @@ void gather_block(const GatherArgs& a, int64_t item) {
 // squared distances summed in order over the v floats without FMA, ties to the lowest index.  Each centroid block
 // is loaded once for the NV vectors and their compare-select chains interleave (one vector's chain is
 // latency-bound: the prefill's cache update spent ~30% of its time on one vector at a time).
-template <int NV>
-inline void nearest_n(const float* U, const float* CT, int K, int v, int* out) {
+template <int NV, class TT = float>
+inline void nearest_n(const float* U, const TT* CT, int K, int v, int* out) {
   vi lane;
   for (int i = 0; i < W; ++i) lane[i] = i;
   vf bv[NV];
@@ -1650,13 +1654,13 @@ inline void nearest_n(const float* U, const float* CT, int K, int v, int* out) {
   }
   for (int k0 = 0; k0 < K; k0 += W) {
     vf d[NV];
-    const vf c0 = vload(CT + k0);
+    const vf c0 = vload_tab(CT + k0);
     for (int n = 0; n < NV; ++n) {
       const vf t = vbc(U[n * 8]) - c0;
       d[n] = t * t;
     }
     for (int e = 1; e < v; ++e) {
-      const vf ce = vload(CT + e * K + k0);
+      const vf ce = vload_tab(CT + e * K + k0);
       for (int n = 0; n < NV; ++n) {
         const vf t = vbc(U[n * 8 + e]) - ce;
         d[n] = d[n] + t * t;
@@ -1679,15 +1683,19 @@ inline void nearest_n(const float* U, const float* CT, int K, int v, int* out) {
 
 // index of the nearest of K centroids CT [v][K] (transposed) to u [v]: squared distance summed in
 // order over the v floats without FMA, ties to the lowest index
-inline int nearest1(const float* u, const float* CT, int K, int v) {
+inline float tab_at(const float* p, int64_t i) { return p[i]; }
+inline float tab_at(const uint16_t* p, int64_t i) { return h2f(p[i], 0); }
+
+template <class TT = float>
+inline int nearest1(const float* u, const TT* CT, int K, int v) {
   if (K % W) {
     int best = 0;
     float bd = __builtin_inff();
     for (int k = 0; k < K; ++k) {
-      float t = u[0] - CT[k];
+      float t = u[0] - tab_at(CT, k);
       float d = t * t;
       for (int e = 1; e < v; ++e) {
-        t = u[e] - CT[e * K + k];
+        t = u[e] - tab_at(CT, e * K + k);
         d = d + t * t;
       }
       if (d < bd) { bd = d; best = k; }
@@ -1695,7 +1703,7 @@ inline int nearest1(const float* u, const float* CT, int K, int v) {
     return best;
   }
   int best;
-  nearest_n<1>(u, CT, K, v, &best);
+  nearest_n<1, TT>(u, CT, K, v, &best);
   return best;
 }
 
@@ -1760,8 +1768,8 @@ inline float hmin(vf v) {
 // is k*.  A vector whose a + M is not finite and below 1e30 (overflow, inf, NaN: cmax is NaN when a centroid is)
 // is searched in full; below it every screen is finite.
 // K <= 256, a multiple of W; U's vectors `us` floats apart; csq [K] the centroids' squared norms.
-template <int NV>
-inline void nearest_screen(const float* U, int us, const float* CT, const float* csq, float cmax, int K, int v,
+template <int NV, class TT = float>
+inline void nearest_screen(const float* U, int us, const TT* CT, const float* csq, float cmax, int K, int v,
                            int* out) {
   float U2[NV][8];  // -2 u: each FMA's broadcast operand read from memory
   for (int n = 0; n < NV; ++n)
@@ -1776,10 +1784,10 @@ inline void nearest_screen(const float* U, int us, const float* CT, const float*
   vi idx = iota();
   for (int k0 = 0; k0 < K; k0 += W, idx += W) {
     vf s[NV];
-    const vf q = vload(csq + k0), c0 = vload(CT + k0);
+    const vf q = vload(csq + k0), c0 = vload_tab(CT + k0);
     for (int n = 0; n < NV; ++n) s[n] = vfma(vbc(U2[n][0]), c0, q);
     for (int e = 1; e < v; ++e) {
-      const vf ce = vload(CT + e * K + k0);
+      const vf ce = vload_tab(CT + e * K + k0);
       for (int n = 0; n < NV; ++n) s[n] = vfma(vbc(U2[n][e]), ce, s[n]);
     }
     for (int n = 0; n < NV; ++n) {
@@ -1803,7 +1811,7 @@ inline void nearest_screen(const float* U, int us, const float* CT, const float*
         continue;
       }
     }
-    nearest_n<1>(u, CT, K, v, out + n);
+    nearest_n<1, TT>(u, CT, K, v, out + n);
   }
 }
 
@@ -1848,6 +1856,9 @@ void nearest_rows(const float* vecs, const float* centT, int64_t* out, int64_t n
     out[i] = idx[0];
   }
 }
+
+template <class TT>
+inline void encode_groups(const Codec& cd, int h, const float* X, uint8_t* out, int l, int G, int KC, const TT* tab);
 
 // X [8][D]: raw values of one block (keys pre-RoPE), float32 of the model dtype.  Writes codes
 // (and outliers) of block `slot` of record `rec`, as KVQuantizer.encode + pack_block_codes.
@@ -1920,10 +1931,21 @@ inline void encode_rows(const Codec& cd, const Layout& L, int h, float* X, uint8
     return;
   }
   const int l = cd.chunk, G = D / l, KC = cd.kc;
+  if (cd.centT16)
+    encode_groups(cd, h, X, out, l, G, KC, cd.centT16);
+  else
+    encode_groups(cd, h, X, out, l, G, KC, cd.centT);
+}
+
+// encode_rows' vector methods: each of the G channel groups' BLOCK vectors against its codebook, CT the transposed
+// centroids (float32, or their float16 bits: the same values)
+template <class TT>
+inline void encode_groups(const Codec& cd, int h, const float* X, uint8_t* out, int l, int G, int KC, const TT* tab) {
+  const int D = G * l;
   float U[BLOCK * 8];  // the group's BLOCK vectors (8 floats apart), all against its one codebook
   int off[BLOCK], idx[BLOCK];
   for (int gi = 0; gi < G; ++gi) {
-    const float* CT = cd.centT + ((int64_t)h * G + gi) * l * KC;
+    const TT* CT = tab + ((int64_t)h * G + gi) * l * KC;
     for (int nv = 0; nv < BLOCK; ++nv) {
       float* u = U + nv * 8;
       if (cd.method == TEMPORAL) {  // vector: tokens j*l .. j*l+l-1 of channel gi*l + m
@@ -1939,7 +1961,8 @@ inline void encode_rows(const Codec& cd, const Layout& L, int h, float* X, uint8
       constexpr int NV = SCREEN_NV;
       const float* csq = cd.csq + ((int64_t)h * G + gi) * KC;
       const float cmax = cd.cmax[(int64_t)h * G + gi];
-      for (int nv = 0; nv < BLOCK; nv += NV) nearest_screen<NV>(U + nv * 8, 8, CT, csq, cmax, KC, l, idx + nv);
+      for (int nv = 0; nv < BLOCK; nv += NV)
+        nearest_screen<NV, TT>(U + nv * 8, 8, CT, csq, cmax, KC, l, idx + nv);
     } else {
       for (int nv = 0; nv < BLOCK; ++nv) idx[nv] = nearest1(U + nv * 8, CT, KC, l);
     }

@@ -68,6 +68,25 @@ void parallel_items(int64_t n, const F& f) {
   });
 }
 
+// The kernels' (block, KV head) items - item = block * H + h - in one contiguous range of head-major order per
+// thread: a KV head's codebook tables (the encode's: 160 KB per head at 2 bits, SmolLM2's shape) are then fetched by
+// one core, not by every core.  In a served step they come from DRAM (the model's weights have streamed through the
+// caches since the layer's last step): a prefix-cache hit's 40-token chunk spent ~half its cache update on that.
+template <class F>
+void parallel_heads(int64_t blocks, int64_t H, const F& f) {
+  const int64_t n = blocks * H;
+  if (n <= 0) return;
+  const auto item = [&](int64_t j) { return (j % blocks) * H + j / blocks; };
+  const int nt = at::get_num_threads();
+  if (nt <= 1 || n == 1 || at::in_parallel_region()) {
+    for (int64_t j = 0; j < n; ++j) f(item(j));
+    return;
+  }
+  at::parallel_for(0, n, (n + nt - 1) / nt, [&](int64_t b, int64_t e) {
+    for (int64_t j = b; j < e; ++j) f(item(j));
+  });
+}
+
 void check_f32(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), what,
               " must be a contiguous float32 CPU tensor");
@@ -95,8 +114,8 @@ Layout make_layout(const std::vector<int64_t>& li) {
 }
 
 Codec make_codec(const std::vector<at::Tensor>& ct, const std::vector<int64_t>& ci, const Layout& L) {
-  TORCH_CHECK(ct.size() == 11,
-              "codec tensors: [cent, centT, mean, std, inv_std, lo, hi, cent16, centK, csq, cmax]");
+  TORCH_CHECK(ct.size() == 12,
+              "codec tensors: [cent, centT, mean, std, inv_std, lo, hi, cent16, centK, csq, cmax, centT16]");
   TORCH_CHECK(ci.size() == 14, "codec ints: [method, chunk, bits, kc, code_bytes, codes_off, idx_off, val_off, "
                                 "scales_off, qoff, mean_off, mean_c, group, half_exact]");
   for (int i = 0; i < 7; ++i) check_f32(ct[i], "codec tensor");
@@ -187,6 +206,10 @@ Codec make_codec(const std::vector<at::Tensor>& ct, const std::vector<int64_t>& 
   TORCH_CHECK(ct[10].numel() == (c.method == TEMPORAL || c.method == CHANNEL ? H * G : 0),
               "cmax: the largest squared norm of each codebook, [H, G] for the vector methods");
   c.cmax = ct[10].data_ptr<float>();
+  TORCH_CHECK(ct[11].scalar_type() == at::kHalf && ct[11].is_contiguous() &&
+                  ct[11].numel() == (c.half_exact && (c.method == TEMPORAL || c.method == CHANNEL) ? nc : 0),
+              "centT16: centT in float16 where the centroids are fp16-exact (half_exact), for the vector methods");
+  c.centT16 = ct[11].numel() ? reinterpret_cast<const uint16_t*>(ct[11].data_ptr()) : nullptr;
   return c;
 }
 
@@ -390,7 +413,7 @@ std::vector<at::Tensor> gather(const at::Tensor& pages, const at::Tensor& block_
     }
   }
   const Kernels* kern = g_kernels;
-  if (full > 1) parallel_items((full - 1) * H, [&](int64_t i) { kern->gather_block(a, i); });
+  if (full > 1) parallel_heads(full - 1, H, [&](int64_t i) { kern->gather_block(a, i); });
   return {K, V};
 }
 
@@ -448,7 +471,7 @@ void encode_blocks(EncodeArgs& a, const at::Tensor& pages, const at::Tensor& kh,
   a.sin = sin.data_ptr<float>();
   a.s2 = (float)s2;
   const Kernels* kern = g_kernels;
-  parallel_items((int64_t)blocks.size() / 5 * a.lay.H, [&](int64_t i) { kern->encode_item(a, i); });
+  parallel_heads((int64_t)blocks.size() / 5, a.lay.H, [&](int64_t i) { kern->encode_item(a, i); });
 }
 
 // Twin of paged_torch.write_kv.  kh/vh [N, H, D] in the model dtype; positions/page_ids [N] int64;
@@ -721,15 +744,36 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kd, const at::Tens
   if (!direct) out.copy_(o32);
 }
 
+// A prefill chunk's cache update and read-back on codebook pages without a recent window, in one call instead of two
+// (ops.cpu._prefill before a flash attention): the chunk's K/V written (kh / vh in the cache's half dtype, rows
+// strided or not - vLLM's are slices of its QKV projection; the blocks it completes encoded once: write_kv), then
+// the first m cached tokens read back decoded (gather: the sinks and whole blocks, the chunk's completed ones
+// included).  sink_page / ring_page: small pages' exact pages of this request (-1: none).  The same ops in the same
+// order as the two calls, so the same pages and K/V bit for bit; what it saves is their Python glue.
+std::vector<at::Tensor> write_gather(const at::Tensor& pages, const at::Tensor& kh, const at::Tensor& vh,
+                                     const at::Tensor& positions, const at::Tensor& page_ids,
+                                     const at::Tensor& block_table, int64_t m, const at::Tensor& cos,
+                                     const at::Tensor& sin, double s2, const std::vector<at::Tensor>& kt,
+                                     const std::vector<int64_t>& ki, const std::vector<at::Tensor>& vt,
+                                     const std::vector<int64_t>& vi, const std::vector<int64_t>& li,
+                                     int64_t sink_page, int64_t ring_page) {
+  const int64_t N = kh.size(0);
+  const bool small = sink_page >= 0;
+  const auto opt = positions.options().dtype(at::kLong);
+  write_kv(pages, kh.contiguous(), vh.contiguous(), positions.to(at::kLong).contiguous(),
+           page_ids.to(at::kLong).contiguous(), cos, sin, s2, kt, ki, vt, vi, li,
+           small ? at::full({N}, sink_page, opt) : at::empty({0}, opt),
+           small ? at::full({N}, ring_page, opt) : at::empty({0}, opt));
+  return gather(pages, block_table, m, cos, sin, kt, ki, vt, vi, li, sink_page, ring_page);
+}
+
 // A prefill chunk's layer step on codebook pages without a recent window (ops.cpu._prefill), in one call instead
-// of three: the chunk's K/V written (kh / vh, the blocks it completes encoded once: write_kv), the first m cached
-// tokens read back decoded (gather: the sinks and whole blocks, the chunk's completed ones included), and the
-// chunk's attention over them (prefill_attention) - its queries' exact keys the decoded rows x0 .. e0 - 1 followed
-// by ke / ve (the exact rows from e0 on: the context's incomplete block, read by the caller before this write may
+// of three: write_gather (the chunk's K/V written, the first m cached tokens read back decoded), then the chunk's
+// attention over them (prefill_attention) - its queries' exact keys the decoded rows x0 .. e0 - 1 followed by
+// ke / ve (the exact rows from e0 on: the context's incomplete block, read by the caller before this write may
 // reuse its slots, and the chunk's own).  The same ops in the same order as the three calls, so the same pages and
 // outputs bit for bit; what it saves is their Python glue, ~a third of a prefix-cache hit's short chunk
-// (benchmarks/prefix).  kh / vh: the chunk's K/V in the cache's half dtype, rows strided or not (vLLM's are
-// slices of its QKV projection); sink_page / ring_page: small pages' exact pages of this request (-1: none).
+// (benchmarks/prefix).
 void prefill_chunk(const at::Tensor& pages, const at::Tensor& q, const at::Tensor& kh, const at::Tensor& vh,
                    const at::Tensor& ke, const at::Tensor& ve, const at::Tensor& positions, const at::Tensor& page_ids,
                    const at::Tensor& block_table, int64_t m, int64_t x0, int64_t e0, int64_t offset,
@@ -737,15 +781,9 @@ void prefill_chunk(const at::Tensor& pages, const at::Tensor& q, const at::Tenso
                    const std::vector<int64_t>& ki, const std::vector<at::Tensor>& vt, const std::vector<int64_t>& vi,
                    const std::vector<int64_t>& li, int64_t sink_page, int64_t ring_page, double scale, at::Tensor& out,
                    bool b16) {
-  const int64_t N = kh.size(0);
   TORCH_CHECK(0 <= x0 && x0 <= e0 && e0 <= m, "prefill_chunk: decoded exact rows x0 <= e0 <= m");
-  const bool small = sink_page >= 0;
-  const auto opt = positions.options().dtype(at::kLong);
-  write_kv(pages, kh.contiguous(), vh.contiguous(), positions.to(at::kLong).contiguous(),
-           page_ids.to(at::kLong).contiguous(), cos, sin, s2, kt, ki, vt, vi, li,
-           small ? at::full({N}, sink_page, opt) : at::empty({0}, opt),
-           small ? at::full({N}, ring_page, opt) : at::empty({0}, opt));
-  const std::vector<at::Tensor> kv = gather(pages, block_table, m, cos, sin, kt, ki, vt, vi, li, sink_page, ring_page);
+  const std::vector<at::Tensor> kv = write_gather(pages, kh, vh, positions, page_ids, block_table, m, cos, sin, s2,
+                                                  kt, ki, vt, vi, li, sink_page, ring_page);
   const bool mixed = e0 > x0;  // the sinks a query before position 8 reads exactly are decoded rows here
   prefill_attention(q, kv[0], kv[1], mixed ? at::cat({kv[0].slice(0, x0, e0), ke}) : ke,
                     mixed ? at::cat({kv[1].slice(0, x0, e0), ve}) : ve, x0, offset, scale, out, b16, 0);
@@ -857,10 +895,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nearest", &tkv::nearest, py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention", &tkv::prefill_attention, py::call_guard<py::gil_scoped_release>());
   m.def("prefill_chunk", &tkv::prefill_chunk, py::call_guard<py::gil_scoped_release>());
+  m.def("write_gather", &tkv::write_gather, py::call_guard<py::gil_scoped_release>());
   m.def("window_merge", &tkv::window_merge, py::call_guard<py::gil_scoped_release>());
   m.def("bf16_dot", &tkv::bf16_dot, "whether prefill_attention takes bf16 scores here (avx512 + AVX512_BF16)");
   m.attr("TILE") = tkv::TILE;  // the prefill kernel's key tiles
   m.attr("DECODE_TILE") = tkv::DTILE;
   // bumped whenever an op's arguments change: ops/cpu.py refuses (and says so) a stale build
-  m.attr("ABI_VERSION") = 16;
+  m.attr("ABI_VERSION") = 17;
 }

@@ -79,9 +79,9 @@ def _batch(kv, calls, tables, block_size):
 
 
 def test_gather_reads_half_tables_only_where_exact(isa):
-    """The gather decodes from the float16 copy of the centroids (half the bytes) only where it holds them exactly -
-    the artifacts' fp16 centroids - and from the float32 ones otherwise (centroids fitted in this process): K / V
-    bit-identical to the torch path either way."""
+    """The gather decodes from, and the encode searches, the float16 copies of the centroids (half the bytes) only
+    where they hold them exactly - the artifacts' fp16 centroids - and the float32 ones otherwise (centroids fitted
+    in this process): pages, K and V bit-identical to the torch path either way."""
     H, D = 2, 64
     g = torch.Generator().manual_seed(3)
     k, v = torch.randn(45, H, D, generator=g) * 2, torch.randn(45, H, D, generator=g)
@@ -93,6 +93,7 @@ def test_gather_reads_half_tables_only_where_exact(isa):
                 for q in (lc.k, lc.v):
                     q.codec.centroids = q.codec.centroids.float() * (1 + 2.0 ** -13)
             assert [cpu._args(lc, H)[i][-1] for i in (1, 3)] == [int(not nudge)] * 2
+            assert [cpu._args(lc, H)[i][11].numel() > 0 for i in (0, 2)] == [not nudge] * 2  # the encode's fp16 table
             pages = torch.zeros(4, H, lc.layout.bytes, dtype=torch.uint8)
             ref = pages.clone()
             args = (k, v, torch.arange(45), table[torch.arange(45) // lc.block_size])

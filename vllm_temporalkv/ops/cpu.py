@@ -59,7 +59,7 @@ from .cpu_flash import flash_prefill, register_window_merge
 
 logger = logging.getLogger("vllm.temporalkv")
 
-ABI_VERSION = 16  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
+ABI_VERSION = 17  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
 # split-K: every request's context is cut at the same tile boundaries whatever the batch, so its output does
 # not depend on which requests share the step (a batch-dependent split count changed float32 rounding, and a
 # 2-bit cache amplifies that through the codes of later tokens: benchmarks/stress.py).  Long splits cost less
@@ -172,7 +172,7 @@ def _codec_args(q, lay, kind: str, H: int):
         if cl is None:  # QJL's key sketches (cache.blocker(sketches=True)): sketch sizes m, m_o and S^T [D, m]
             ints = [_QJL, q.m, 1, q.m_o, *offs, 0, 0, 0, 0, 0]
             per[key] = ([q.S.t().contiguous(), none, torch.zeros(H, D), torch.ones(H, D), torch.ones(H, D),
-                         torch.zeros(H, D), torch.zeros(H, D), none.half(), none, none, none], ints)
+                         torch.zeros(H, D), torch.zeros(H, D), none.half(), none, none, none, none.half()], ints)
             return per[key]
         if cl.kernel_variant is None:  # scaled integer codes (cache.blocker(scaled=True)): no codebook, raw values
             if cl.cpu_scaled == "tada":  # + where the head mean's shares sit, channels per share and per scale group
@@ -183,7 +183,7 @@ def _codec_args(q, lay, kind: str, H: int):
             else:  # selective: + the code of 0
                 ints = [_SCALED, 1, cl.code_bits, cl.n_centroids, *offs, q.codec.qmax + 1, 0, 0, 0, 0]
             tensors = [none, none, torch.zeros(H, D), torch.ones(H, D), torch.ones(H, D), torch.zeros(H, D),
-                       torch.zeros(H, D), none.half(), none, none, none]
+                       torch.zeros(H, D), none.half(), none, none, none, none.half()]
             per[key] = (tensors, ints)
             return per[key]
         codec, s = q.codec, q.stats
@@ -205,6 +205,9 @@ def _codec_args(q, lay, kind: str, H: int):
                    # the encode's screen (kernels_impl.h nearest_screen)
                    torch.empty(0) if scalar else (cent * cent).sum(-1).contiguous()]
         tensors.append(torch.empty(0) if scalar else tensors[-1].amax(-1).contiguous())  # [H, G]; NaN propagates
+        # vector methods, fp16-exact centroids: the encode's table in float16 (the same values in half the bytes of
+        # its largest table, which a served layer step reads from DRAM)
+        tensors.append(tensors[1].half() if half_exact and not scalar else torch.empty(0, dtype=torch.half))
         per[key] = (tensors, ints)
     return per[key]
 
@@ -320,7 +323,8 @@ def num_splits(max_tiles: int, split_tiles: int = SPLIT_TILES) -> int:
 def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                      out: torch.Tensor | None = None, *, split_tiles: int = SPLIT_TILES,
-                     exact: bool | None = None, small=None) -> torch.Tensor:
+                     exact: bool | None = None, small=None, max_len: int | None = None,
+                     exact_table32: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per request: query [R, Hq, D], this step's key/value [R, Hkv, D], seq_lens [R]
     (cached + the new token), block_tables [R, P].  Reads the pages before this step's write_kv.
 
@@ -332,7 +336,9 @@ def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Te
     values, up to ~1% on single output elements of a real bf16 model (large logits amplify the model-dtype
     rounding of the keys); a float32 model has no such rounding, and both agree to float32 rounding (~1e-6).
 
-    small: small pages' exact pages (``paged_torch.ExactPages``, its table's rows these requests')."""
+    small: small pages' exact pages (``paged_torch.ExactPages``, its table's rows these requests').  max_len (the
+    largest seq_len) and exact_table32 (small's table's first two columns, int32): a step plan's, where it has them
+    (else derived here)."""
     R, Hq, D = query.shape
     H = key.shape[1]
     if out is None:
@@ -345,7 +351,8 @@ def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Te
                                            out, batch_invariant=False, exact=small)
     sl = _i32(seq_lens)
     bt = _i32(block_tables)
-    max_len = int(sl.max())
+    if max_len is None:
+        max_len = int(sl.max())
     cosT, sinT, tcos, tsin, dcos, dsin = rope_tables(lc.rope, max_len + DECODE_TILE)[2:]
     if exact is None:
         exact = EXACT
@@ -354,7 +361,7 @@ def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Te
     vn = lc.exact(value).float().contiguous()
     o32 = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(R, Hq, D)
     kt, ki, vt, vi, li = _args(lc, H)
-    xp = _NONE32 if small is None else _i32(small.table[:, :2])
+    xp = _NONE32 if small is None else exact_table32 if exact_table32 is not None else _i32(small.table[:, :2])
     _C.decode_attention(pages, q32, kn, vn, sl, bt, cosT, sinT, o32, kt, ki, vt, vi, li, float(scale),
                         int(split_tiles), bool(exact), tcos, tsin, dcos, dsin, 1.0 / float(lc.rope.scale), xp)
     if o32 is not out:
@@ -435,9 +442,10 @@ def paged_attention(
     out: torch.Tensor | None = None,
     batch_invariant: bool = True,
     exact=None,
+    plan: StepPlan | None = None,
 ) -> torch.Tensor:
     """Drop-in for ``paged_torch.paged_attention`` (same signature and semantics; ``exact``: small pages'
-    ``paged_torch.ExactPages``).
+    ``paged_torch.ExactPages``; ``plan``: the step's ``StepPlan``, derived here when not given).
 
     Requests with one query token go to the fused decode kernel in one call (float32; with
     ``batch_invariant`` they stay on the float64 torch attention, whose result does not depend on
@@ -448,8 +456,14 @@ def paged_attention(
                                            block_tables, scale, out, batch_invariant, exact=exact)
     if out is None:
         out = torch.empty_like(query)
-    rest = list(range(seq_lens.shape[0])) if batch_invariant else _attend_decodes(
-        lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out, exact)[0]
+    if batch_invariant:
+        rest = list(range(seq_lens.shape[0]))
+    else:
+        if plan is None:
+            plan = plan_step(query_start_loc, seq_lens, block_tables=block_tables)
+        _attend_decodes(lc, pages, query, key, value, plan, scale, out, exact,
+                        None if exact is None else plan.exact_plan(exact))
+        rest = plan.prefills
     if rest:  # prefill chunks: the C++ prefill kernel on K/V the C++ decoder gathered
         paged_torch.paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale,
                                     out, batch_invariant, requests=rest, gather=gather_kv, exact=exact,
@@ -475,13 +489,60 @@ def attend_fast(q, k_exact, v_exact, k_dec, v_dec, scale, offset, window: int = 
     return prefill_attention(q, k_dec, v_dec, k_exact[x:n], v_exact[x:n], x, offset, scale, window=window)
 
 
+@dataclasses.dataclass
+class StepPlan:
+    """What a step's layers all derive from its metadata alone, derived once per step (``plan_step``: the backend
+    builds it with the step's first layer and hands it to the others, ``TemporalKVMetadata.plan``).  At batch 1 a
+    step's attention layers spent ~1/3 of their time on this Python (a prefix-cache hit's 40-token chunk on the
+    2-core AMX Xeon, benchmarks/prefix): the host lists, int32 tables and small pages' exact-page numbers below."""
+
+    qsl: list[int]  # query_start_loc
+    lens: list[int]  # seq_lens
+    decodes: list[int]  # the requests with one query token
+    prefills: list[int]  # the others
+    seq_lens32: torch.Tensor  # int32, contiguous: the decode kernel's
+    tables32: torch.Tensor  # block tables, int32, contiguous (rows: a gather's)
+    rows: torch.Tensor | None = None  # the decodes' query rows and request indices (None: every request a decode)
+    ridx: torch.Tensor | None = None
+    _exact: dict = dataclasses.field(default_factory=dict)  # small pages: what exact_plan derived, per exact table
+
+    def exact_plan(self, exact) -> dict:
+        """Small pages' per-step values of ``exact`` (``paged_torch.ExactPages``: this step's exact table, shared
+        by the layers): its rows as ints, its (sink, ring) columns for the decodes, each token's pages.  Keyed by the
+        table's identity, which lives as long as the step (its metadata holds it), as this plan does."""
+        got = self._exact.get(id(exact.table))
+        if got is None or got["table"] is not exact.table:
+            t = exact.table[:, :2]
+            ints = t.tolist()
+            got = {"table": exact.table, "ints": ints,
+                   "decode": _i32(t if self.rows is None else t[self.ridx]),
+                   "tokens": exact.tokens(torch.tensor(self.qsl), self.qsl[-1])[1:]}
+            self._exact[id(exact.table)] = got
+        return got
+
+
+def plan_step(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, device=None, table_device=None,
+              device_seq_lens=None, block_tables: torch.Tensor | None = None, block_size: int | None = None) -> StepPlan:
+    """A step's ``StepPlan`` from its host metadata (the arguments of ``triton_path.plan_step``; the CPU's needs
+    the block tables)."""
+    qsl = query_start_loc.tolist()
+    R = seq_lens.shape[0]
+    dec = [r for r in range(R) if qsl[r + 1] - qsl[r] == 1]
+    plan = StepPlan(qsl, seq_lens.tolist(), dec, [r for r in range(R) if qsl[r + 1] - qsl[r] > 1], _i32(seq_lens),
+                    _NONE32 if block_tables is None else _i32(block_tables))
+    if not (R > 0 and len(dec) == R and qsl[-1] == R):  # not every row a decode: the decodes' rows
+        plan.rows = torch.tensor([qsl[r] for r in dec], dtype=torch.long)
+        plan.ridx = torch.tensor(dec, dtype=torch.long)
+    return plan
+
+
 @torch.no_grad()
 def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
             positions: torch.Tensor, page_ids: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-            batch_invariant: bool = True, plan=None, exact=None) -> torch.Tensor:
-    """Twin of ``paged_torch.forward`` (a layer's step: attention, then the cache update; ``plan``: the
-    Triton path's, unused here).
+            batch_invariant: bool = True, plan: StepPlan | None = None, exact=None) -> torch.Tensor:
+    """Twin of ``paged_torch.forward`` (a layer's step: attention, then the cache update; ``plan``: the step's
+    ``StepPlan``, derived here when not given).
 
     Decode requests: the fused decode kernel on the pages as they were, then their tokens are written.
     Prefill chunks (without ``batch_invariant``) write first and read back: the blocks a chunk
@@ -498,7 +559,7 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
     window = lc.layout.window and exact is None
     if not _static_support(lc)[1] and not window:  # read here, written by the torch path (QJL): attend first,
         out = paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out,
-                              False, exact)  # then the torch update (write_kv_window with a recent window)
+                              False, exact, plan)  # then the torch update (write_kv_window with a recent window)
         if lc.layout.window:
             write_kv_window(lc, pages, key, value, query_start_loc, seq_lens, block_tables)
         else:
@@ -507,31 +568,32 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
         return out
     if out is None:
         out = torch.empty_like(query)
-    qsl = query_start_loc.tolist()
-    rest, rows = _attend_decodes(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out,
-                                 exact, qsl)
-    lens = seq_lens.tolist()
-    N = query.shape[0]
-    for r in rest:
+    if plan is None:
+        plan = plan_step(query_start_loc, seq_lens, block_tables=block_tables)
+    ex = None if exact is None else plan.exact_plan(exact)
+    _attend_decodes(lc, pages, query, key, value, plan, scale, out, exact, ex)
+    qsl, N = plan.qsl, query.shape[0]
+    for r in plan.prefills:
         a, b = qsl[r], qsl[r + 1]
-        ex = None if exact is None else exact.request_pages(r)
+        pg = None if exact is None else (exact.region, *ex["ints"][r])
         if a == 0 and b == N == positions.shape[0] == page_ids.shape[0]:  # the step's only request (a prefix-cache
             # hit's chunk, a prompt's): the tensors as they are, no slices
-            _prefill(lc, pages, query, key, value, positions, page_ids, block_tables[r], lens[r], scale, out, ex)
+            _prefill(lc, pages, query, key, value, positions, page_ids, plan.tables32[r], plan.lens[r], scale, out,
+                     pg)
         else:
-            _prefill(lc, pages, query[a:b], key[a:b], value[a:b], positions[a:b], page_ids[a:b], block_tables[r],
-                     lens[r], scale, out[a:b], ex)
-    if rows is not None and not rows.numel():  # prefill chunks only: each wrote its own tokens
+            _prefill(lc, pages, query[a:b], key[a:b], value[a:b], positions[a:b], page_ids[a:b], plan.tables32[r],
+                     plan.lens[r], scale, out[a:b], pg)
+    if not plan.decodes:  # prefill chunks only: each wrote its own tokens
         return out
+    rows = plan.rows
     if window:  # the decodes' window update (all of them at once)
         if rows is None:
             write_kv_window(lc, pages, key, value, query_start_loc, seq_lens, block_tables)
         else:
-            dec = torch.tensor([r for r in range(len(lens)) if qsl[r + 1] - qsl[r] == 1])  # the rows' requests
-            write_kv_window(lc, pages, key[rows], value[rows], torch.arange(rows.numel() + 1), seq_lens[dec],
-                            block_tables[dec])
+            write_kv_window(lc, pages, key[rows], value[rows], torch.arange(rows.numel() + 1), seq_lens[plan.ridx],
+                            block_tables[plan.ridx])
         return out
-    tok = None if exact is None else exact.tokens(query_start_loc, key.shape[0])  # (region, sink [N], ring [N])
+    tok = None if exact is None else (exact.region, *ex["tokens"])  # (region, sink [N], ring [N])
     if rows is None:  # every request a decode
         write_kv(lc, pages, key, value, positions, page_ids, exact=tok)
     else:
@@ -540,31 +602,21 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
     return out
 
 
-_NO_ROWS = torch.empty(0, dtype=torch.long)  # a step without decode rows (a CPU tensor: these kernels serve CPU pages)
-
-
-def _attend_decodes(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out, exact=None,
-                    qsl: list[int] | None = None):
-    """The requests with one query token attend in one fused decode call (before any write of the step),
-    into out.  Returns (the other requests' indices, the decode rows of query - None when every row is one).
-    qsl: ``query_start_loc.tolist()`` where the caller has it."""
-    R = seq_lens.shape[0]
-    if qsl is None:
-        qsl = query_start_loc.tolist()
-    if R > 0 and query.shape[0] == R and qsl == list(range(R + 1)):  # (one list: no tensor ops)
-        decode_attention(lc, pages, query, key, value, seq_lens, block_tables, scale, out,
-                         small=exact)  # no per-request Python
-        return [], None
-    dec = [r for r in range(R) if qsl[r + 1] - qsl[r] == 1]
-    rest = [r for r in range(R) if qsl[r + 1] - qsl[r] > 1]
-    if not dec:  # prefill chunks only (a prefix-cache hit's or a prompt's chunk): no tensor to build
-        return rest, _NO_ROWS
-    rows = torch.tensor([qsl[r] for r in dec], dtype=torch.long, device=query.device)
-    ridx = torch.tensor(dec, dtype=torch.long, device=query.device)
+def _attend_decodes(lc, pages, query, key, value, plan: StepPlan, scale, out, exact=None, ex=None) -> None:
+    """The requests with one query token attend in one fused decode call (before any write of the step), into out.
+    ``ex``: ``plan.exact_plan(exact)`` (small pages)."""
+    if not plan.decodes:
+        return
+    xp = None if ex is None else ex["decode"]
+    if plan.rows is None:  # every request a decode: no per-request Python
+        decode_attention(lc, pages, query, key, value, plan.seq_lens32, plan.tables32, scale, out, small=exact,
+                         max_len=max(plan.lens), exact_table32=xp)
+        return
+    rows, ridx = plan.rows, plan.ridx
     small = None if exact is None else dataclasses.replace(exact, table=exact.table[ridx])
-    out[rows] = decode_attention(lc, pages, query[rows], key[rows], value[rows], seq_lens[ridx],
-                                 block_tables[ridx], scale, small=small).to(out.dtype)
-    return rest, rows
+    out[rows] = decode_attention(lc, pages, query[rows], key[rows], value[rows], plan.seq_lens32[ridx],
+                                 plan.tables32[ridx], scale, small=small, max_len=max(plan.lens[r] for r in plan.decodes),
+                                 exact_table32=xp).to(out.dtype)
 
 
 def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: float, out: torch.Tensor,
@@ -597,22 +649,30 @@ def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: floa
     hi = n // BLOCK_TOKENS * BLOCK_TOKENS
     m = max(hi, min(n, SINK_TOKENS))  # sinks and whole blocks: all in the pages after the write (decoded up to
     x = _own_block(ctx, w)  # the last query's exact start: exact_from(m, w) >= it); exact keys from the first's
-    # write, gather and attend in one C++ call (the same ops); TaDA over more than 16 KV heads writes in torch
-    if not w and not use_flash_prefill(q.dtype) and encodes(lc, pages, k.shape[1]):
+    flash = use_flash_prefill(q.dtype)
+    # write and gather (and attend, on the C++ kernel) in one C++ call, the same ops as the calls below; TaDA over
+    # more than 16 KV heads writes in torch
+    if not w and encodes(lc, pages, k.shape[1]):
         cos, sin = rope_tables(lc.rope, n)[:2]
         sink, ring = (-1, -1) if exact is None else exact[1:]
-        _C.prefill_chunk(pages, q, k.to(lc.store_dtype), v.to(lc.store_dtype), ke, ve,
-                         positions, page_ids, _i32(table), m, x, e0, ctx, cos, sin, float(lc.rope.scale) ** 2,
-                         *_args(lc, k.shape[1]), sink, ring, float(scale), out, _bf16_scores(q.dtype, lc.dtype))
-        return
-    if w:
-        write_kv_window(lc, pages, k, v, torch.tensor([0, nq]), torch.tensor([n]), table[None])
+        kh, vh = k.to(lc.store_dtype), v.to(lc.store_dtype)
+        if not flash:
+            _C.prefill_chunk(pages, q, kh, vh, ke, ve, positions, page_ids, _i32(table), m, x, e0, ctx, cos, sin,
+                             float(lc.rope.scale) ** 2, *_args(lc, k.shape[1]), sink, ring, float(scale), out,
+                             _bf16_scores(q.dtype, lc.dtype))
+            return
+        kg, vg = _C.write_gather(pages, kh, vh, positions, page_ids, _i32(table), m, cos, sin,
+                                 float(lc.rope.scale) ** 2, *_args(lc, k.shape[1]), sink, ring)
     else:
-        write_kv(lc, pages, k, v, positions, page_ids, exact=None if exact is None else
-                 (exact[0], torch.full((nq,), exact[1], dtype=torch.long), torch.full((nq,), exact[2], dtype=torch.long)))
-    kg, vg = gather_kv(lc, pages, table, m, exact=exact)
-    kx, vx = torch.cat([kg[x:e0], ke]), torch.cat([vg[x:e0], ve])
-    if use_flash_prefill(q.dtype):
+        if w:
+            write_kv_window(lc, pages, k, v, torch.tensor([0, nq]), torch.tensor([n]), table[None])
+        else:
+            write_kv(lc, pages, k, v, positions, page_ids, exact=None if exact is None else
+                     (exact[0], torch.full((nq,), exact[1], dtype=torch.long),
+                      torch.full((nq,), exact[2], dtype=torch.long)))
+        kg, vg = gather_kv(lc, pages, table, m, exact=exact)
+    kx, vx = (torch.cat([kg[x:e0], ke]), torch.cat([vg[x:e0], ve])) if e0 > x else (ke, ve)
+    if flash:
         flash_prefill(q, kg, vg, kx, vx, x, ctx, scale, out, window=w)
     else:
         prefill_attention(q, kg, vg, kx, vx, x, ctx, scale, out, window=w)
@@ -669,6 +729,6 @@ def prefill_attention(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, kx: t
 
 _load()
 
-__all__ = ["available", "decode_attention", "encodes", "forward", "gather_kv", "isa", "nearest", "paged_attention",
-           "prefill_attention", "set_isa", "use_flash_prefill",
+__all__ = ["StepPlan", "available", "decode_attention", "encodes", "forward", "gather_kv", "isa", "nearest",
+           "paged_attention", "plan_step", "prefill_attention", "set_isa", "use_flash_prefill",
            "supported_isas", "supports", "write_kv"]

@@ -187,16 +187,17 @@ class TemporalKVMetadata:
     block_size: int | None = None  # tokens per page (the Triton path finds a decode's page on the device)
     _plans: dict = dataclasses.field(default_factory=dict)  # device -> triton_path.StepPlan, once per step
 
-    def plan(self, device):
-        """The Triton path's step plan (which requests decode, their device tensors): built by the first layer
-        that asks, shared by the others (the metadata object is the step's, for every layer)."""
-        key = str(device)
+    def plan(self, device, ops_module=None):
+        """The step plan of a path's ops (``ops_module.plan_step``: the Triton / CUDA path's - which requests decode,
+        their device tensors - or the C++ CPU path's host lists and int32 tables; default the Triton path's): built
+        by the first layer that asks, shared by the others (the metadata object is the step's, for every layer)."""
+        if ops_module is None:
+            from ..ops import triton_path as ops_module
+        key = (str(device), ops_module.__name__)
         if key not in self._plans:
-            from ..ops import triton_path
-
-            self._plans[key] = triton_path.plan_step(self.query_start_loc, self.seq_lens, device,
-                                                     self.block_table.device, self.device_seq_lens,
-                                                     self.block_table, self.block_size)
+            self._plans[key] = ops_module.plan_step(self.query_start_loc, self.seq_lens, device,
+                                                    self.block_table.device, self.device_seq_lens,
+                                                    self.block_table, self.block_size)
         return self._plans[key]
 
 
@@ -266,6 +267,8 @@ class TemporalKVMetadataBuilder(AttentionMetadataBuilder[TemporalKVMetadata]):
         positions = (seq - qlen)[req] + (torch.arange(n) - qsl[:-1][req])
         bt = cam.block_table_tensor
         page_ids = bt[req.to(bt.device), (positions // self.block_size).to(bt.device)]
+        if bt.device.type == "cpu":  # the C++ writes take int64 (converted here once, not by every layer)
+            page_ids = page_ids.long()
         if len(qlen) > n and bool(((qlen == 1) | padding_requests(qlen, seq)).all()):
             # a decode batch padded to a captured CUDA-graph size: one row per request, padding rows included (the
             # Triton path's uniform plan reads positions and pages from the device and skips seq_len 0); the host
@@ -362,7 +365,7 @@ class TemporalKVImpl(AttentionImpl):
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
-        plan = m.plan(pages.device) if hasattr(self._ops, "plan_step") else None  # the Triton path's
+        plan = m.plan(pages.device, self._ops) if hasattr(self._ops, "plan_step") else None  # once per step
         extra = {"exact": self._exact_pages(layer, lc)} if self._small_pages else {}
         self._ops.forward(lc, pages, q, k, v, m.query_start_loc, m.seq_lens, m.block_table, m.positions,
                           m.page_ids, self.scale, out=out, batch_invariant=self._batch_invariant, plan=plan, **extra)
