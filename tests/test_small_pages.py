@@ -259,3 +259,47 @@ def test_cpu_kernels_small_pages_in_mixed_steps():
                                                                                torch.tensor([14, 0])],
            q, k, v, schedule, out)
     assert all(torch.equal(a, b) for a, b in zip(out, ref))
+
+
+def test_cpu_step_plan_is_shared_by_layers_not_their_pages():
+    """The backend derives a step's plan once (``cpu.plan_step``: host lists, int32 tables, the exact pages' numbers)
+    and hands it to every layer: two layers - their own pages and exact regions, one block table and exact table, as
+    vLLM gives them - stepped together on one plan per step give what each gives alone (a value of one layer's
+    pages kept in the plan would land in the other's)."""
+    from vllm_temporalkv.ops import cpu
+
+    if not cpu.available():
+        pytest.skip(f"C++ CPU kernels not built/loadable: {cpu._LOAD_ERROR}")
+    _, small = _kernel_caches("temporalkv-2bit")
+    g = torch.Generator().manual_seed(8)
+    n, Hk, D, L = 60, 2, 64, 2
+    qkv = [[[torch.randn(n, h, D, generator=g) for _ in range(2)] for h in (2 * Hk, Hk, Hk)] for _ in range(L)]
+    schedule = [[0, 21] + list(range(22, 42)) + [42, 60], [0, 3, 9] + list(range(12, 50, 2)) + [59, 60]]
+    assert len(schedule[0]) == len(schedule[1])
+    tables = [torch.tensor([9, 3, 12, 1, 6]), torch.tensor([2, 8, 10, 13, 15])]
+    exact = [torch.tensor([11, 4]), torch.tensor([14, 0])]
+    alone = []
+    for q, k, v in qkv:
+        outs = [torch.empty(n, 2 * Hk, D) for _ in range(2)]
+        _mixed(cpu, small, torch.zeros(16, Hk, small.layout.bytes, dtype=torch.uint8), tables, exact, q, k, v,
+               schedule, outs)
+        alone.append(outs)
+    pages = [torch.zeros(16, Hk, small.layout.bytes, dtype=torch.uint8) for _ in range(L)]
+    together = [[torch.empty(n, 2 * Hk, D) for _ in range(2)] for _ in range(L)]
+    bt, et = torch.stack(tables), torch.stack(exact)
+    for i in range(len(schedule[0]) - 1):
+        spans = [(c[i], c[i + 1]) for c in schedule]
+        qsl = torch.tensor([0] + [b - a for a, b in spans]).cumsum(0)
+        sl = torch.tensor([b for _, b in spans])
+        pos = torch.cat([torch.arange(a, b) for a, b in spans])
+        pid = torch.cat([t[torch.arange(a, b) // small.block_size] for t, (a, b) in zip(tables, spans)])
+        plan = cpu.plan_step(qsl, sl, block_tables=bt)
+        for layer, (q, k, v) in enumerate(qkv):
+            cat = lambda x: torch.cat([x[r][a:b] for r, (a, b) in enumerate(spans)])  # noqa: E731
+            ep = ExactPages(exact_view(small.layout, pages[layer], small.store_dtype), et)
+            o = torch.empty(int(qsl[-1]), 2 * Hk, D)
+            cpu.forward(small, pages[layer], cat(q), cat(k), cat(v), qsl, sl, bt, pos, pid, 0.125, out=o,
+                        batch_invariant=False, plan=plan, exact=ep)
+            for r, (a, b) in enumerate(spans):
+                together[layer][r][a:b] = o[qsl[r]: qsl[r + 1]]
+    assert all(torch.equal(a, b) for x, y in zip(together, alone) for a, b in zip(x, y))

@@ -508,17 +508,22 @@ class StepPlan:
 
     def exact_plan(self, exact) -> dict:
         """Small pages' per-step values of ``exact`` (``paged_torch.ExactPages``: this step's exact table, shared
-        by the layers): its rows as ints, its (sink, ring) columns for the decodes, each token's pages.  Keyed by the
-        table's identity, which lives as long as the step (its metadata holds it), as this plan does."""
+        by the layers): its rows as ints, its (sink, ring) columns for the decodes (and ``exact_tokens``: each
+        token's pages).  Keyed by the table's identity, which lives as long as the step (its metadata holds it), as
+        this plan does."""
         got = self._exact.get(id(exact.table))
         if got is None or got["table"] is not exact.table:
             t = exact.table[:, :2]
-            ints = t.tolist()
-            got = {"table": exact.table, "ints": ints,
-                   "decode": _i32(t if self.rows is None else t[self.ridx]),
-                   "tokens": exact.tokens(torch.tensor(self.qsl), self.qsl[-1])[1:]}
+            got = {"table": exact.table, "ints": t.tolist(), "decode": _i32(t if self.rows is None else t[self.ridx])}
             self._exact[id(exact.table)] = got
         return got
+
+    def exact_tokens(self, exact, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``exact.tokens`` of the step's n tokens (region, sink page [n], ring page [n]), once per step."""
+        got = self.exact_plan(exact)
+        if got.get("n") != n:  # (the pages only: the region is each layer's own)
+            got["n"], got["tokens"] = n, exact.tokens(torch.tensor(self.qsl), n)[1:]
+        return (exact.region, *got["tokens"])
 
 
 def plan_step(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, device=None, table_device=None,
@@ -593,7 +598,7 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
             write_kv_window(lc, pages, key[rows], value[rows], torch.arange(rows.numel() + 1), seq_lens[plan.ridx],
                             block_tables[plan.ridx])
         return out
-    tok = None if exact is None else (exact.region, *ex["tokens"])  # (region, sink [N], ring [N])
+    tok = None if exact is None else plan.exact_tokens(exact, key.shape[0])  # (region, sink [N], ring [N])
     if rows is None:  # every request a decode
         write_kv(lc, pages, key, value, positions, page_ids, exact=tok)
     else:
