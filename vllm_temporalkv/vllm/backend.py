@@ -185,7 +185,7 @@ class TemporalKVMetadata:
     page_ids: torch.Tensor  # [num_actual_tokens]
     device_seq_lens: torch.Tensor | None = None  # vLLM's device copy of seq_lens (the requests' rows)
     block_size: int | None = None  # tokens per page (the Triton path finds a decode's page on the device)
-    _plans: dict = dataclasses.field(default_factory=dict)  # device -> triton_path.StepPlan, once per step
+    _plans: dict = dataclasses.field(default_factory=dict)  # (device, ops module) -> its StepPlan, once per step
 
     def plan(self, device, ops_module=None):
         """The step plan of a path's ops (``ops_module.plan_step``: the Triton / CUDA path's - which requests decode,
