@@ -72,19 +72,51 @@ void parallel_items(int64_t n, const F& f) {
 // thread: a KV head's codebook tables (the encode's: 160 KB per head at 2 bits, SmolLM2's shape) are then fetched by
 // one core, not by every core.  In a served step they come from DRAM (the model's weights have streamed through the
 // caches since the layer's last step): a prefix-cache hit's 40-token chunk spent ~half its cache update on that.
-template <class F>
-void parallel_heads(int64_t blocks, int64_t H, const F& f) {
+// head(h) runs where a thread starts on KV head h (prefetch_head).
+template <class F, class S>
+void parallel_heads(int64_t blocks, int64_t H, const F& f, const S& head) {
   const int64_t n = blocks * H;
   if (n <= 0) return;
-  const auto item = [&](int64_t j) { return (j % blocks) * H + j / blocks; };
+  const auto run = [&](int64_t b, int64_t e) {
+    for (int64_t j = b; j < e; ++j) {
+      if (j == b || j % blocks == 0) head(j / blocks);
+      f((j % blocks) * H + j / blocks);
+    }
+  };
   const int nt = at::get_num_threads();
   if (nt <= 1 || n == 1 || at::in_parallel_region()) {
-    for (int64_t j = 0; j < n; ++j) f(item(j));
+    run(0, n);
     return;
   }
-  at::parallel_for(0, n, (n + nt - 1) / nt, [&](int64_t b, int64_t e) {
-    for (int64_t j = b; j < e; ++j) f(item(j));
-  });
+  at::parallel_for(0, n, (n + nt - 1) / nt, run);
+}
+
+// One KV head's codebook tables of a codec into this core's L2 (software prefetch): what the encode searches (the
+// transposed centroids, float16 where exact, and their squared norms) or what a decode looks codes up in (the
+// centroids, float16 where exact).  A served layer step finds them in DRAM - the model's weights have streamed
+// through the caches since the layer's last step - and a decode's lookups are random (each code picks its centroid:
+// no hardware prefetcher follows them), the encode's search a few short streams per channel group.  A prefix-cache
+// hit's 40-token chunk on the AMX Xeon (write_gather, in-process, two runs each): 6.3 / 6.5 -> 5.9 / 6.1 ms per
+// request of 30 layers.  (The fused decode, prefetching at each item: no change at batch 1, 600 tokens.)
+void prefetch_range(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);
+}
+
+void prefetch_head(const Codec& cd, int64_t D, int64_t h, bool encode) {
+  if (cd.method != TEMPORAL && cd.method != CHANNEL) return;  // (the scalar method's tables are small)
+  const int64_t G = D / cd.chunk, n = G * cd.kc * cd.chunk;  // centroid floats per head
+  if (encode) {
+    if (cd.centT16)
+      prefetch_range(cd.centT16 + h * n, n * 2);
+    else
+      prefetch_range(cd.centT + h * n, n * 4);
+    prefetch_range(cd.csq + h * G * cd.kc, G * cd.kc * 4);
+  } else if (cd.half_exact) {
+    prefetch_range(cd.cent16 + h * n, n * 2);
+  } else {
+    prefetch_range(cd.cent + h * n, n * 4);
+  }
 }
 
 void check_f32(const at::Tensor& t, const char* what) {
@@ -413,7 +445,11 @@ std::vector<at::Tensor> gather(const at::Tensor& pages, const at::Tensor& block_
     }
   }
   const Kernels* kern = g_kernels;
-  if (full > 1) parallel_heads(full - 1, H, [&](int64_t i) { kern->gather_block(a, i); });
+  if (full > 1)
+    parallel_heads(full - 1, H, [&](int64_t i) { kern->gather_block(a, i); }, [&](int64_t h) {
+      prefetch_head(a.k, a.lay.D, h, false);
+      prefetch_head(a.v, a.lay.D, h, false);
+    });
   return {K, V};
 }
 
@@ -471,7 +507,10 @@ void encode_blocks(EncodeArgs& a, const at::Tensor& pages, const at::Tensor& kh,
   a.sin = sin.data_ptr<float>();
   a.s2 = (float)s2;
   const Kernels* kern = g_kernels;
-  parallel_heads((int64_t)blocks.size() / 5, a.lay.H, [&](int64_t i) { kern->encode_item(a, i); });
+  parallel_heads((int64_t)blocks.size() / 5, a.lay.H, [&](int64_t i) { kern->encode_item(a, i); }, [&](int64_t h) {
+    prefetch_head(a.k, a.lay.D, h, true);
+    prefetch_head(a.v, a.lay.D, h, true);
+  });
 }
 
 // Twin of paged_torch.write_kv.  kh/vh [N, H, D] in the model dtype; positions/page_ids [N] int64;
