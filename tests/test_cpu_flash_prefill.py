@@ -147,6 +147,39 @@ def test_forward_serves_the_flash_prefill_when_selected(fmt, window, monkeypatch
     assert not torch.equal(runs["flash", 2][0], ref)
 
 
+@pytest.mark.parametrize("gqa", [True, False], ids=["gqa", "repeated-heads"])
+def test_fused_flash_chunk_is_the_python_composition(gqa, monkeypatch):
+    """A served chunk's flash path in one C++ call (prefill_chunk_flash: write, read back, the flash parts and the
+    merge) against the same steps in Python (write_kv, gather_kv, cpu_flash.flash_prefill - what forward takes where
+    the C++ encode does not serve): the same pages and outputs bit for bit, for chunks inside the sinks, short ones
+    (one masked call) and a long one (parts (a) and (b) apart), with K/V heads passed as they are or repeated."""
+    monkeypatch.setattr(cpu, "PREFILL", "flash")
+    monkeypatch.setattr(cpu, "_flash_gqa", lambda: gqa)
+    monkeypatch.setattr(cpu_flash, "_flash_gqa", lambda: gqa)
+    D, n, bs = 64, 1000, 16
+    lc = make_cache("temporalkv-2bit", D, True, torch.bfloat16, 1, block_size=bs)
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(n, 2, D, generator=g).bfloat16(), torch.randn(n, 2, D, generator=g).bfloat16()
+    q = torch.randn(n, 6, D, generator=g).bfloat16()
+    table = torch.randperm(n // bs + 1, generator=g)
+    cuts = [0, 3, 61, 64, 333, 373, n]
+    assert cpu_flash.short_mask(40, 333, 3, torch.bfloat16) is not None  # the short chunks take the masked call
+    assert cpu_flash.short_mask(n - 373, 373, 3, torch.bfloat16) is None  # and the last one the split
+    runs = []
+    for fused in (True, False):
+        if not fused:  # forward's other route: the cache update in torch (bit-identical pages), then Python
+            monkeypatch.setattr(cpu, "encodes", lambda *a, **kw: False)
+        pages = torch.zeros(len(table), 2, lc.layout.bytes, dtype=torch.uint8)
+        out = torch.empty(n, 6, D, dtype=torch.bfloat16)
+        for a, b in zip(cuts, cuts[1:]):
+            pos = torch.arange(a, b)
+            out[a:b] = cpu.forward(lc, pages, q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), torch.tensor([b]),
+                                   table[None], pos, table[pos // bs], D ** -0.5, batch_invariant=False)
+        runs.append((out, pages))
+    assert torch.equal(runs[0][1], runs[1][1])
+    assert torch.equal(runs[0][0], runs[1][0])
+
+
 def test_auto_selects_flash_for_bf16_on_amx_only(monkeypatch):
     """The auto setting: a bf16 model on an AMX CPU, not with VLLM_TEMPORALKV_CPU_EXACT=1; flash / kernel as
     forced; a bad value of the variable is refused at import with the fix named."""

@@ -55,7 +55,7 @@ from ..layout import TAIL_SLOT0, exact_from
 from ..methods import BLOCK_TOKENS, KERNEL_SCALAR, SINK_TOKENS
 from ..cpu_isa import cpu_class
 from ..page_views import region_view
-from .cpu_flash import flash_prefill, register_window_merge
+from .cpu_flash import _flash_gqa, flash_prefill, register_window_merge, short_mask
 
 logger = logging.getLogger("vllm.temporalkv")
 
@@ -305,6 +305,7 @@ def encodes(lc, pages: torch.Tensor | None = None, heads: int | None = None) -> 
 
 
 _NONE32, _NONE64 = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64)  # no small pages
+_NO_MASK = torch.empty(0)  # prefill_chunk_flash: a chunk not short enough for one masked call
 
 
 def _i32(t: torch.Tensor) -> torch.Tensor:
@@ -655,8 +656,8 @@ def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: floa
     m = max(hi, min(n, SINK_TOKENS))  # sinks and whole blocks: all in the pages after the write (decoded up to
     x = _own_block(ctx, w)  # the last query's exact start: exact_from(m, w) >= it); exact keys from the first's
     flash = use_flash_prefill(q.dtype)
-    # write and gather (and attend, on the C++ kernel) in one C++ call, the same ops as the calls below; TaDA over
-    # more than 16 KV heads writes in torch
+    # write, gather and attend in one C++ call (on the C++ kernel or flash), the same ops as the calls below; TaDA
+    # over more than 16 KV heads writes in torch
     if not w and encodes(lc, pages, k.shape[1]):
         cos, sin = rope_tables(lc.rope, n)[:2]
         sink, ring = (-1, -1) if exact is None else exact[1:]
@@ -665,17 +666,18 @@ def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: floa
             _C.prefill_chunk(pages, q, kh, vh, ke, ve, positions, page_ids, _i32(table), m, x, e0, ctx, cos, sin,
                              float(lc.rope.scale) ** 2, *_args(lc, k.shape[1]), sink, ring, float(scale), out,
                              _bf16_scores(q.dtype, lc.dtype))
-            return
-        kg, vg = _C.write_gather(pages, kh, vh, positions, page_ids, _i32(table), m, cos, sin,
-                                 float(lc.rope.scale) ** 2, *_args(lc, k.shape[1]), sink, ring)
+        else:  # write_gather + flash_prefill's parts (no window) in C++: the same ATen ops without their Python
+            mask = short_mask(q.shape[0], ctx, q.shape[1] // k.shape[1], q.dtype)
+            _C.prefill_chunk_flash(pages, q, kh, vh, ke, ve, positions, page_ids, _i32(table), m, x, e0, ctx, cos,
+                                   sin, float(lc.rope.scale) ** 2, *_args(lc, k.shape[1]), sink, ring, float(scale),
+                                   out, _NO_MASK if mask is None else mask, _flash_gqa())
+        return
+    if w:
+        write_kv_window(lc, pages, k, v, torch.tensor([0, nq]), torch.tensor([n]), table[None])
     else:
-        if w:
-            write_kv_window(lc, pages, k, v, torch.tensor([0, nq]), torch.tensor([n]), table[None])
-        else:
-            write_kv(lc, pages, k, v, positions, page_ids, exact=None if exact is None else
-                     (exact[0], torch.full((nq,), exact[1], dtype=torch.long),
-                      torch.full((nq,), exact[2], dtype=torch.long)))
-        kg, vg = gather_kv(lc, pages, table, m, exact=exact)
+        write_kv(lc, pages, k, v, positions, page_ids, exact=None if exact is None else
+                 (exact[0], torch.full((nq,), exact[1], dtype=torch.long), torch.full((nq,), exact[2], dtype=torch.long)))
+    kg, vg = gather_kv(lc, pages, table, m, exact=exact)
     kx, vx = (torch.cat([kg[x:e0], ke]), torch.cat([vg[x:e0], ve])) if e0 > x else (ke, ve)
     if flash:
         flash_prefill(q, kg, vg, kx, vx, x, ctx, scale, out, window=w)

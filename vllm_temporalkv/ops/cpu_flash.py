@@ -121,6 +121,16 @@ def _heads(x: torch.Tensor, g: int) -> torch.Tensor:
     return (x if g == 1 or _flash_gqa() else x.repeat_interleave(g, 0))[None]
 
 
+def short_mask(Tq: int, offset: int, g: int, dtype: torch.dtype, window: int = 0) -> torch.Tensor | None:
+    """Parts (a) and (b)'s additive mask where a chunk of Tq queries at offset is short enough to take them in one
+    flash call (MASKED_MAX), else None: what ``flash_prefill`` and the C++ ``prefill_chunk_flash`` both ask."""
+    s = offset - BLOCK_TOKENS - window
+    qlo = max(0, -s)
+    if Tq > qlo and g * (Tq - qlo) * (s + Tq) <= MASKED_MAX:
+        return _mask(Tq - qlo, s + qlo, s + Tq, g, dtype)
+    return None
+
+
 def register_window_merge(fn) -> None:
     global _window_merge
     _window_merge = fn
@@ -146,11 +156,12 @@ def flash_prefill(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, kx: torch
     parts: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (o [H, g, Tq - t0, D], lse [H, g, Tq - t0], t0)
     s = offset - BLOCK_TOKENS - window  # query t sees decoded keys < s + t + 1 in (a) and (b)
     qlo = max(0, -s)
-    if Tq > qlo and g * (Tq - qlo) * (s + Tq) <= MASKED_MAX:  # (a) and (b) in one masked call (short chunks)
+    mask = short_mask(Tq, offset, g, dt, window)
+    if mask is not None:  # (a) and (b) in one masked call (short chunks)
         t = Tq - qlo
         qm = q[qlo:].view(t, H, g, D).permute(1, 2, 0, 3).reshape(1, H, g * t, D)
         o, lse = _flash(qm, kd[: s + Tq].transpose(0, 1)[None], vd[: s + Tq].transpose(0, 1)[None],
-                        attn_mask=_mask(t, s + qlo, s + Tq, g, dt), scale=scale)
+                        attn_mask=mask, scale=scale)
         parts.append((o[0].view(H, g, t, D), lse[0].view(H, g, t), qlo))
         qlo = Tq  # nothing left for (b)
     elif s > 0:  # (a): [1, H, g * Tq, D] queries (head h's g query heads one after the other) over [0, s)
@@ -174,4 +185,4 @@ def flash_prefill(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, kx: torch
     return out
 
 
-__all__ = ["flash_prefill", "register_window_merge"]
+__all__ = ["flash_prefill", "register_window_merge", "short_mask"]
