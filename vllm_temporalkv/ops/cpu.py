@@ -261,9 +261,18 @@ def rope_tables(rope, n: int):
 def supports(lc, pages: torch.Tensor | None = None) -> bool:
     """Whether the kernels read this layer cache's pages (decode attention, gather; else: the torch path).  Writes
     are ``encodes``'s question."""
-    return (available() and _static_support(lc)[0]
-            and (pages is None or (pages.device.type == "cpu" and pages.dtype == torch.uint8
-                                   and pages.is_contiguous())))
+    if not (available() and _static_support(lc)[0]):
+        return False
+    if pages is None or _PAGES_OK.get(lc) is pages:  # (a served layer's one pages tensor: checked once)
+        return True
+    ok = pages.device.type == "cpu" and pages.dtype == torch.uint8 and pages.is_contiguous()
+    if ok:
+        _PAGES_OK[lc] = pages
+    return ok
+
+
+# layer cache -> the last pages tensor supports() found readable (a tensor's device, dtype and layout do not change)
+_PAGES_OK: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 _SUPPORT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer cache -> (kernels read, C++ encodes)
@@ -506,6 +515,7 @@ class StepPlan:
     rows: torch.Tensor | None = None  # the decodes' query rows and request indices (None: every request a decode)
     ridx: torch.Tensor | None = None
     _exact: dict = dataclasses.field(default_factory=dict)  # small pages: what exact_plan derived, per exact table
+    _masks: dict = dataclasses.field(default_factory=dict)  # short_mask's answers
 
     def exact_plan(self, exact) -> dict:
         """Small pages' per-step values of ``exact`` (``paged_torch.ExactPages``: this step's exact table, shared
@@ -518,6 +528,13 @@ class StepPlan:
             got = {"table": exact.table, "ints": t.tolist(), "decode": _i32(t if self.rows is None else t[self.ridx])}
             self._exact[id(exact.table)] = got
         return got
+
+    def short_mask(self, Tq: int, offset: int, g: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """``cpu_flash.short_mask`` of a chunk, once per step."""
+        key = (Tq, offset, g, dtype)
+        if key not in self._masks:
+            self._masks[key] = short_mask(Tq, offset, g, dtype)
+        return self._masks[key]
 
     def exact_tokens(self, exact, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``exact.tokens`` of the step's n tokens (region, sink page [n], ring page [n]), once per step."""
@@ -585,10 +602,10 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
         if a == 0 and b == N == positions.shape[0] == page_ids.shape[0]:  # the step's only request (a prefix-cache
             # hit's chunk, a prompt's): the tensors as they are, no slices
             _prefill(lc, pages, query, key, value, positions, page_ids, plan.tables32[r], plan.lens[r], scale, out,
-                     pg)
+                     pg, plan)
         else:
             _prefill(lc, pages, query[a:b], key[a:b], value[a:b], positions[a:b], page_ids[a:b], plan.tables32[r],
-                     plan.lens[r], scale, out[a:b], pg)
+                     plan.lens[r], scale, out[a:b], pg, plan)
     if not plan.decodes:  # prefill chunks only: each wrote its own tokens
         return out
     rows = plan.rows
@@ -626,9 +643,10 @@ def _attend_decodes(lc, pages, query, key, value, plan: StepPlan, scale, out, ex
 
 
 def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: float, out: torch.Tensor,
-             exact=None) -> None:
+             exact=None, plan: StepPlan | None = None) -> None:
     """One request's chunk of new tokens (positions n - len(q) .. n - 1): write, then attend.  ``exact``: small
-    pages' (region, sink page, ring page) of this request, the pages as ints (``ExactPages.request_pages``).
+    pages' (region, sink page, ring page) of this request, the pages as ints (``ExactPages.request_pages``);
+    ``plan``: the step's, where the forward has one (what every layer asks alike, once).
 
     With a recent window of w tokens (pages written by the torch path, read by the C++ gather) the same with
     everything w positions back: the context's exact rows the first query reads (its ring, [lo, ctx)) are read
@@ -661,13 +679,15 @@ def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: floa
     if not w and encodes(lc, pages, k.shape[1]):
         cos, sin = rope_tables(lc.rope, n)[:2]
         sink, ring = (-1, -1) if exact is None else exact[1:]
-        kh, vh = k.to(lc.store_dtype), v.to(lc.store_dtype)
+        store = lc.store_dtype
+        kh, vh = (k, v) if k.dtype == store else (k.to(store), v.to(store))
         if not flash:
             _C.prefill_chunk(pages, q, kh, vh, ke, ve, positions, page_ids, _i32(table), m, x, e0, ctx, cos, sin,
                              float(lc.rope.scale) ** 2, *_args(lc, k.shape[1]), sink, ring, float(scale), out,
                              _bf16_scores(q.dtype, lc.dtype))
         else:  # write_gather + flash_prefill's parts (no window) in C++: the same ATen ops without their Python
-            mask = short_mask(q.shape[0], ctx, q.shape[1] // k.shape[1], q.dtype)
+            mask = short_mask(q.shape[0], ctx, q.shape[1] // k.shape[1], q.dtype) if plan is None else \
+                plan.short_mask(q.shape[0], ctx, q.shape[1] // k.shape[1], q.dtype)
             _C.prefill_chunk_flash(pages, q, kh, vh, ke, ve, positions, page_ids, _i32(table), m, x, e0, ctx, cos,
                                    sin, float(lc.rope.scale) ** 2, *_args(lc, k.shape[1]), sink, ring, float(scale),
                                    out, _NO_MASK if mask is None else mask, _flash_gqa())
@@ -692,7 +712,17 @@ def use_flash_prefill(dtype: torch.dtype) -> bool:
     flash kernel's bf16 GEMMs run on them; without AMX the C++ kernel is as fast or faster), unless ``EXACT``."""
     if PREFILL != "auto":
         return PREFILL == "flash"
-    return dtype == torch.bfloat16 and not EXACT and cpu_class() == "amx"
+    return dtype == torch.bfloat16 and not EXACT and _cpu_class() == "amx"
+
+
+_CLASS: tuple = (None, None)  # (cpu_class, its answer): asked by every served prefill chunk's layer
+
+
+def _cpu_class() -> str:
+    global _CLASS
+    if _CLASS[0] is not cpu_class:  # (tests replace cpu_class)
+        _CLASS = (cpu_class, cpu_class())
+    return _CLASS[1]
 
 
 # bf16 prefill scores where the CPU has AVX512_BF16 and the model is bf16 (VLLM_TEMPORALKV_CPU_BF16_DOT=0: off)

@@ -44,6 +44,7 @@ from ..formats import BLOCK_TOKENS, FORMATS, FormatError, check_head_dim, get_fo
 from ..layout import PageLayout
 from ..page_views import exact_view
 from ..rope import Rope
+from ..ops.paged_torch import ExactPages
 from ..ops.triton_path import padding_requests
 from . import compat
 from .options import DEFAULT_BLOCK_SIZE, SMALL_BLOCK_SIZE, TemporalKVConfigError, load_artifact, logger, serving_options
@@ -193,7 +194,7 @@ class TemporalKVMetadata:
         by the first layer that asks, shared by the others (the metadata object is the step's, for every layer)."""
         if ops_module is None:
             from ..ops import triton_path as ops_module
-        key = (str(device), ops_module.__name__)
+        key = (device, ops_module)  # (not str(device): every layer of every step asks)
         if key not in self._plans:
             self._plans[key] = ops_module.plan_step(self.query_start_loc, self.seq_lens, device,
                                                     self.block_table.device, self.device_seq_lens,
@@ -339,6 +340,7 @@ class TemporalKVImpl(AttentionImpl):
                                         artifact=self._artifact, outliers=self._outliers, window=self._window,
                                         heads=heads, device=device, exact_pages=self._small_pages)
             self._ops, path = ops.select(self._lc, device)
+            self._step_plans = hasattr(self._ops, "plan_step")  # the path derives a step plan (once per step)
             if self._batch_invariant:
                 path += ", batch-invariant float64 attention"
             if path not in _LOGGED_PATHS:  # once per process and path: says which kernels serve
@@ -361,11 +363,13 @@ class TemporalKVImpl(AttentionImpl):
         if self._pages is None or self._pages[0] is not kv_cache:  # (vLLM's KV cache tensor: one per layer, kept)
             self._pages = (kv_cache, compat.pages_view(kv_cache))
         pages = self._pages[1]
-        q = query[:n].view(n, self.num_heads, self.head_size)
-        k = key[:n].view(n, self.num_kv_heads, self.head_size)
-        v = value[:n].view(n, self.num_kv_heads, self.head_size)
-        out = output[:n].view(n, self.num_heads, self.head_size)
-        plan = m.plan(pages.device, self._ops) if hasattr(self._ops, "plan_step") else None  # once per step
+        if query.shape[0] != n:  # (padded: the real tokens' rows)
+            query, key, value, output = query[:n], key[:n], value[:n], output[:n]
+        q = query.view(n, self.num_heads, self.head_size)
+        k = key.view(n, self.num_kv_heads, self.head_size)
+        v = value.view(n, self.num_kv_heads, self.head_size)
+        out = output.view(n, self.num_heads, self.head_size)
+        plan = m.plan(pages.device, self._ops) if self._step_plans else None  # once per step
         extra = {"exact": self._exact_pages(layer, lc)} if self._small_pages else {}
         self._ops.forward(lc, pages, q, k, v, m.query_start_loc, m.seq_lens, m.block_table, m.positions,
                           m.page_ids, self.scale, out=out, batch_invariant=self._batch_invariant, plan=plan, **extra)
@@ -373,8 +377,6 @@ class TemporalKVImpl(AttentionImpl):
 
     def _exact_pages(self, layer, lc: LayerCache):
         """Small pages: this step's view of the companion layer's exact pages and their block table."""
-        from ..ops.paged_torch import ExactPages
-
         got = compat.exact_metadata(layer)
         if got is None or got[1] is None:
             raise TemporalKVConfigError(f"{layer.layer_name}: small pages, but vLLM built no exact-page metadata for "

@@ -18,6 +18,7 @@ from typing import Any, get_args
 import torch
 
 import vllm
+from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
@@ -495,8 +496,6 @@ def attach_exact_layers(wants) -> None:
 def exact_metadata(layer) -> tuple[Any, Any] | None:
     """(the companion's KV cache as vLLM allocated it - ``pages_view`` makes it [pages, H, record] uint8 - and its
     step metadata) of one of our layers serving small pages."""
-    from vllm.forward_context import get_forward_context
-
     comp = layer.__dict__.get("_temporalkv_exact")
     if comp is None:
         return None
