@@ -321,6 +321,10 @@ def _i32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
+def _i64(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+
+
 # ---- ops ---------------------------------------------------------------------------------------
 
 
@@ -394,21 +398,21 @@ def gather_kv(lc, pages: torch.Tensor, block_table: torch.Tensor, n: int, exact=
 
 @torch.no_grad()
 def write_kv(lc, pages: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
-             page_ids: torch.Tensor, exact=None) -> None:
-    """Twin of ``paged_torch.write_kv`` (same arguments, bit-identical pages)."""
+             page_ids: torch.Tensor, exact=None, max_pos: int | None = None) -> None:
+    """Twin of ``paged_torch.write_kv`` (same arguments, bit-identical pages; ``max_pos``: the largest position,
+    where the caller knows it - a step plan's - else read from ``positions``)."""
     if key.shape[0] == 0:
         return
     if not encodes(lc, pages, key.shape[1]):
         return paged_torch.write_kv(lc, pages, key, value, positions, page_ids, exact=exact)
     if lc.layout.exact_pages != (exact is not None):
         raise ValueError("small pages are written with their exact pages, other layouts without")
-    sinks, rings = (_NONE64, _NONE64) if exact is None else (exact[1].to(torch.int64).contiguous(),
-                                                             exact[2].to(torch.int64).contiguous())
-    pos = positions.to(torch.int64).contiguous()
-    pid = page_ids.to(torch.int64).contiguous()
-    cos, sin = rope_tables(lc.rope, int(pos.max()) + 1)[:2]
-    kh = key.to(lc.store_dtype).contiguous()
-    vh = value.to(lc.store_dtype).contiguous()
+    sinks, rings = (_NONE64, _NONE64) if exact is None else (_i64(exact[1]), _i64(exact[2]))
+    pos, pid = _i64(positions), _i64(page_ids)
+    cos, sin = rope_tables(lc.rope, (int(pos.max()) if max_pos is None else max_pos) + 1)[:2]
+    store = lc.store_dtype
+    kh = (key if key.dtype == store else key.to(store)).contiguous()
+    vh = (value if value.dtype == store else value.to(store)).contiguous()
     _C.write_kv(pages, kh, vh, pos, pid, cos, sin, float(lc.rope.scale) ** 2, *_args(lc, key.shape[1]), sinks, rings)
 
 
@@ -512,6 +516,7 @@ class StepPlan:
     prefills: list[int]  # the others
     seq_lens32: torch.Tensor  # int32, contiguous: the decode kernel's
     tables32: torch.Tensor  # block tables, int32, contiguous (rows: a gather's)
+    max_len: int = 0  # the largest seq_len
     rows: torch.Tensor | None = None  # the decodes' query rows and request indices (None: every request a decode)
     ridx: torch.Tensor | None = None
     _exact: dict = dataclasses.field(default_factory=dict)  # small pages: what exact_plan derived, per exact table
@@ -551,8 +556,9 @@ def plan_step(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, device=None
     qsl = query_start_loc.tolist()
     R = seq_lens.shape[0]
     dec = [r for r in range(R) if qsl[r + 1] - qsl[r] == 1]
-    plan = StepPlan(qsl, seq_lens.tolist(), dec, [r for r in range(R) if qsl[r + 1] - qsl[r] > 1], _i32(seq_lens),
-                    _NONE32 if block_tables is None else _i32(block_tables))
+    lens = seq_lens.tolist()
+    plan = StepPlan(qsl, lens, dec, [r for r in range(R) if qsl[r + 1] - qsl[r] > 1], _i32(seq_lens),
+                    _NONE32 if block_tables is None else _i32(block_tables), max(lens, default=0))
     if not (R > 0 and len(dec) == R and qsl[-1] == R):  # not every row a decode: the decodes' rows
         plan.rows = torch.tensor([qsl[r] for r in dec], dtype=torch.long)
         plan.ridx = torch.tensor(dec, dtype=torch.long)
@@ -617,8 +623,8 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
                             block_tables[plan.ridx])
         return out
     tok = None if exact is None else plan.exact_tokens(exact, key.shape[0])  # (region, sink [N], ring [N])
-    if rows is None:  # every request a decode
-        write_kv(lc, pages, key, value, positions, page_ids, exact=tok)
+    if rows is None:  # every request a decode: its positions are its seq_lens - 1
+        write_kv(lc, pages, key, value, positions, page_ids, exact=tok, max_pos=plan.max_len - 1)
     else:
         write_kv(lc, pages, key[rows], value[rows], positions[rows], page_ids[rows],
                  exact=None if tok is None else (tok[0], tok[1][rows], tok[2][rows]))
@@ -633,7 +639,7 @@ def _attend_decodes(lc, pages, query, key, value, plan: StepPlan, scale, out, ex
     xp = None if ex is None else ex["decode"]
     if plan.rows is None:  # every request a decode: no per-request Python
         decode_attention(lc, pages, query, key, value, plan.seq_lens32, plan.tables32, scale, out, small=exact,
-                         max_len=max(plan.lens), exact_table32=xp)
+                         max_len=plan.max_len, exact_table32=xp)
         return
     rows, ridx = plan.rows, plan.ridx
     small = None if exact is None else dataclasses.replace(exact, table=exact.table[ridx])
