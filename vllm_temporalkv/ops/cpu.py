@@ -26,7 +26,11 @@ Ops (each the twin of the torch path in ``paged_torch``, which stays the oracle)
   context and their own blocks' exact keys in one pass, float32, GQA without K/V copies, chunk-invariant.
   On an AMX CPU a bf16 model's served chunks take ``cpu_flash.flash_prefill`` instead (``use_flash_prefill``).
 * ``forward(...)``: a layer's step (attention + cache update), the backend's entry point; a prefill chunk
-  is written first and its completed blocks read back decoded, so they are encoded once.
+  is written first and its completed blocks read back decoded, so they are encoded once - write, read-back and
+  attention in one C++ call (``_C.prefill_chunk`` on the C++ kernel, ``_C.prefill_chunk_flash`` on torch's flash
+  kernel through ATen: each Python-dispatched op of a served step costs several times a warm one's).
+* ``plan_step(...)`` -> ``StepPlan``: what every layer of a step derives from its metadata alone (host lists, int32
+  tables, small pages' exact-page numbers, short chunks' masks), derived by the step's first layer.
 
 If the extension cannot be loaded, ``available()`` is False, a warning says so once, and every op
 here falls back to the torch path.  ``VLLM_TEMPORALKV_CPU_ISA=avx512|avx2|scalar`` forces a kernel
