@@ -783,12 +783,12 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kd, const at::Tens
   if (!direct) out.copy_(o32);
 }
 
-// A prefill chunk's cache update and read-back on codebook pages without a recent window, in one call instead of two
-// (ops.cpu._prefill before a flash attention): the chunk's K/V written (kh / vh in the cache's half dtype, rows
+// A prefill chunk's cache update and read-back on codebook pages without a recent window (the first half of
+// prefill_chunk and prefill_chunk_flash): the chunk's K/V written (kh / vh in the cache's half dtype, rows
 // strided or not - vLLM's are slices of its QKV projection; the blocks it completes encoded once: write_kv), then
 // the first m cached tokens read back decoded (gather: the sinks and whole blocks, the chunk's completed ones
 // included).  sink_page / ring_page: small pages' exact pages of this request (-1: none).  The same ops in the same
-// order as the two calls, so the same pages and K/V bit for bit; what it saves is their Python glue.
+// order as write_kv and gather, so the same pages and K/V bit for bit.
 std::vector<at::Tensor> write_gather(const at::Tensor& pages, const at::Tensor& kh, const at::Tensor& vh,
                                      const at::Tensor& positions, const at::Tensor& page_ids,
                                      const at::Tensor& block_table, int64_t m, const at::Tensor& cos,

@@ -30,7 +30,7 @@ Ops (each the twin of the torch path in ``paged_torch``, which stays the oracle)
   attention in one C++ call (``_C.prefill_chunk`` on the C++ kernel, ``_C.prefill_chunk_flash`` on torch's flash
   kernel through ATen: each Python-dispatched op of a served step costs several times a warm one's).
 * ``plan_step(...)`` -> ``StepPlan``: what every layer of a step derives from its metadata alone (host lists, int32
-  tables, small pages' exact-page numbers, short chunks' masks), derived by the step's first layer.
+  tables, small pages' exact-page numbers), derived by the step's first layer.
 
 If the extension cannot be loaded, ``available()`` is False, a warning says so once, and every op
 here falls back to the torch path.  ``VLLM_TEMPORALKV_CPU_ISA=avx512|avx2|scalar`` forces a kernel
@@ -524,7 +524,6 @@ class StepPlan:
     rows: torch.Tensor | None = None  # the decodes' query rows and request indices (None: every request a decode)
     ridx: torch.Tensor | None = None
     _exact: dict = dataclasses.field(default_factory=dict)  # small pages: what exact_plan derived, per exact table
-    _masks: dict = dataclasses.field(default_factory=dict)  # short_mask's answers
 
     def exact_plan(self, exact) -> dict:
         """Small pages' per-step values of ``exact`` (``paged_torch.ExactPages``: this step's exact table, shared
@@ -537,13 +536,6 @@ class StepPlan:
             got = {"table": exact.table, "ints": t.tolist(), "decode": _i32(t if self.rows is None else t[self.ridx])}
             self._exact[id(exact.table)] = got
         return got
-
-    def short_mask(self, Tq: int, offset: int, g: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """``cpu_flash.short_mask`` of a chunk, once per step."""
-        key = (Tq, offset, g, dtype)
-        if key not in self._masks:
-            self._masks[key] = short_mask(Tq, offset, g, dtype)
-        return self._masks[key]
 
     def exact_tokens(self, exact, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``exact.tokens`` of the step's n tokens (region, sink page [n], ring page [n]), once per step."""
@@ -612,10 +604,10 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
         if a == 0 and b == N == positions.shape[0] == page_ids.shape[0]:  # the step's only request (a prefix-cache
             # hit's chunk, a prompt's): the tensors as they are, no slices
             _prefill(lc, pages, query, key, value, positions, page_ids, plan.tables32[r], plan.lens[r], scale, out,
-                     pg, plan)
+                     pg)
         else:
             _prefill(lc, pages, query[a:b], key[a:b], value[a:b], positions[a:b], page_ids[a:b], plan.tables32[r],
-                     plan.lens[r], scale, out[a:b], pg, plan)
+                     plan.lens[r], scale, out[a:b], pg)
     if not plan.decodes:  # prefill chunks only: each wrote its own tokens
         return out
     rows = plan.rows
@@ -653,10 +645,9 @@ def _attend_decodes(lc, pages, query, key, value, plan: StepPlan, scale, out, ex
 
 
 def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: float, out: torch.Tensor,
-             exact=None, plan: StepPlan | None = None) -> None:
+             exact=None) -> None:
     """One request's chunk of new tokens (positions n - len(q) .. n - 1): write, then attend.  ``exact``: small
-    pages' (region, sink page, ring page) of this request, the pages as ints (``ExactPages.request_pages``);
-    ``plan``: the step's, where the forward has one (what every layer asks alike, once).
+    pages' (region, sink page, ring page) of this request, the pages as ints (``ExactPages.request_pages``).
 
     With a recent window of w tokens (pages written by the torch path, read by the C++ gather) the same with
     everything w positions back: the context's exact rows the first query reads (its ring, [lo, ctx)) are read
@@ -696,8 +687,7 @@ def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: floa
                              float(lc.rope.scale) ** 2, *_args(lc, k.shape[1]), sink, ring, float(scale), out,
                              _bf16_scores(q.dtype, lc.dtype))
         else:  # write_gather + flash_prefill's parts (no window) in C++: the same ATen ops without their Python
-            mask = short_mask(q.shape[0], ctx, q.shape[1] // k.shape[1], q.dtype) if plan is None else \
-                plan.short_mask(q.shape[0], ctx, q.shape[1] // k.shape[1], q.dtype)
+            mask = short_mask(q.shape[0], ctx, q.shape[1] // k.shape[1], q.dtype)  # (cached across layers)
             _C.prefill_chunk_flash(pages, q, kh, vh, ke, ve, positions, page_ids, _i32(table), m, x, e0, ctx, cos,
                                    sin, float(lc.rope.scale) ** 2, *_args(lc, k.shape[1]), sink, ring, float(scale),
                                    out, _NO_MASK if mask is None else mask, _flash_gqa())
