@@ -139,7 +139,7 @@ def capacity_table(h: dict) -> list[str]:
 
 
 def retrieval_table(h: dict) -> list[str]:
-    rows = _grouped(h, r"retrieval\.(.+?)\." + FORMAT + r"\.((?:avg_accuracy(?:_4k_8k)?|ratio_vs_auto_4k_8k)(?:_ci_low|_ci_high)?"
+    rows = _grouped(h, r"retrieval\.(.+?)\." + FORMAT + r"\.((?:avg_accuracy(?:_4k_8k)?|ratio_vs_auto(?:_4k_8k)?)(?:_ci_low|_ci_high)?"
                        r"|samples|wall_ratio_vs_auto)")
     out = []
     for name, r in sorted(rows.items()):
@@ -147,11 +147,11 @@ def retrieval_table(h: dict) -> list[str]:
         wall = any("wall_ratio_vs_auto" in x for x in r.values())  # a run timed on one machine
         out += [f"**Long-context retrieval through the server, {name}** (RULER-style tasks, accuracy 0-1; details, "
                 f"paired comparisons and the command in [benchmarks/results/{stem}.md](benchmarks/results/{stem}.md); "
-                f"brackets: 95% bootstrap intervals over the prompts; prompts: samples per task and length; the ratio "
-                f"is paired with auto on the prompts both answered"
+                f"brackets: 95% bootstrap intervals over the prompts; prompts: samples per task and length; the ratios "
+                f"(every length, and 4k-8k) are paired with auto on the prompts both answered"
                 + ("; wall: the suite's seconds per prompt ÷ auto's, on one machine)" if wall else ")"), "",
-                "| --kv-cache-dtype | prompts | average | 4k-8k | 4k-8k ÷ auto |" + (" wall ÷ auto |" if wall else ""),
-                "|---|---|---|---|---|" + ("---|" if wall else "")]
+                "| --kv-cache-dtype | prompts | average | ÷ auto | 4k-8k | 4k-8k ÷ auto |" + (" wall ÷ auto |" if wall else ""),
+                "|---|---|---|---|---|---|" + ("---|" if wall else "")]
         def ci(x, metric):  # the 95% bootstrap interval, where the run measured one
             lo, hi = x.get(metric + "_ci_low"), x.get(metric + "_ci_high")
             return "" if lo is None or hi is None else f" [{lo:.2f}, {hi:.2f}]"
@@ -163,8 +163,10 @@ def retrieval_table(h: dict) -> list[str]:
             else:  # runs before the paired figure: unpaired means
                 ratio = _fmt(long / bl) if long is not None and bl else "–"
             n = x.get("samples")
+            every = "1.00" if f == "auto" else _fmt(x.get("ratio_vs_auto")) + (
+                ci(x, "ratio_vs_auto") if x.get("ratio_vs_auto") is not None else "")
             out.append(f"| {f} | {'–' if n is None else int(n)} | {_fmt(x.get('avg_accuracy'), 3)}"
-                       f"{ci(x, 'avg_accuracy')} | {_fmt(long, 3)}{ci(x, 'avg_accuracy_4k_8k')} | {ratio} |"
+                       f"{ci(x, 'avg_accuracy')} | {every} | {_fmt(long, 3)}{ci(x, 'avg_accuracy_4k_8k')} | {ratio} |"
                        + (f" {_fmt(x.get('wall_ratio_vs_auto', 1.0 if f == 'auto' else None))} |" if wall else ""))
         out.append("")
     return out

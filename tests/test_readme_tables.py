@@ -19,6 +19,8 @@ def test_render_places_every_kind_of_figure():
          "retrieval.smollm2.temporalkv-4bit.ratio_vs_auto_4k_8k": 0.95,
          "retrieval.smollm2.temporalkv-4bit.ratio_vs_auto_4k_8k_ci_low": 0.81,
          "retrieval.smollm2.temporalkv-4bit.ratio_vs_auto_4k_8k_ci_high": 1.02,
+         "retrieval.smollm2.temporalkv-4bit.ratio_vs_auto": 0.93, "retrieval.smollm2.temporalkv-4bit.ratio_vs_auto_ci_low": 0.85,
+         "retrieval.smollm2.temporalkv-4bit.ratio_vs_auto_ci_high": 1.0,
          "throughput.h100-l8b.8192-512.auto.output_tok_s": 1234.5,
          "fisher.wiki-leads-8w.temporalkv-2bit@fisher.proxy_in_sample": 0.0957,
          "fisher.wiki-leads-8w.temporalkv-2bit@fisher.proxy_held_out": 0.3232,
@@ -30,10 +32,11 @@ def test_render_places_every_kind_of_figure():
     assert "7.10" in text and "fp8 2.00×" in text
     lines = text.splitlines()
     auto = next(i for i, ln in enumerate(lines) if ln.startswith("| auto |"))
-    assert lines[auto] == "| auto | 10 | 0.800 | 0.500 | 1.00 |"
-    assert lines[auto + 1] == "| temporalkv-2bit | 10 | 0.700 | 0.400 | 0.80 |"
+    assert lines[auto] == "| auto | 10 | 0.800 | 1.00 | 0.500 | 1.00 |"
+    assert lines[auto + 1] == "| temporalkv-2bit | 10 | 0.700 | – | 0.400 | 0.80 |"
     # a paired ratio (on the prompts both answered) is shown as measured, not as a ratio of the means
-    assert lines[auto + 2] == "| temporalkv-4bit | – | 0.750 | 0.450 | 0.95 [0.81, 1.02] |"
+    # (both: over every length, and at 4k-8k)
+    assert lines[auto + 2] == "| temporalkv-4bit | – | 0.750 | 0.93 [0.85, 1.00] | 0.450 | 0.95 [0.81, 1.02] |"
     assert "| wiki-leads-8w | temporalkv-2bit | fisher | 0.096 | 0.323 | 40.42 |" in lines
     assert "throughput.h100-l8b.8192-512.auto.output_tok_s" in text and "1234.500" in text
 
@@ -83,8 +86,8 @@ def test_choice_table_and_wall_ratios():
     assert not any(ln.startswith("| smollm2-cpu-amx |") for ln in lines)
     amx = lines.index(next(ln for ln in lines if "retrieval through the server, smollm2-cpu-amx" in ln))
     assert lines[amx + 2].endswith("| 4k-8k ÷ auto | wall ÷ auto |")
-    assert "| auto | – | 0.500 | – | – | 1.00 |" in lines[amx:]
-    assert "| temporalkv-2bit | – | 0.400 | – | – | 1.25 |" in lines[amx:]
+    assert "| auto | – | 0.500 | 1.00 | – | – | 1.00 |" in lines[amx:]
+    assert "| temporalkv-2bit | – | 0.400 | – | – | – | 1.25 |" in lines[amx:]
     smol = lines.index(next(ln for ln in lines if "retrieval through the server, smollm2**" in ln))
     assert lines[smol + 2].endswith("| 4k-8k ÷ auto |")  # no wall column where nothing was timed
 
@@ -106,7 +109,7 @@ def test_fractional_outlier_share_in_keys():
     assert "| qwen2.5-1.5b | temporalkv-2bit-cv-o0.5 | 2.23 | 1.05 | 0.85 [0.70, 0.95] |" in lines
     assert "| temporalkv-2bit-o0.5 | 2.23 | 36.00 | 1.12 |" in lines  # the default model's every-method table
     assert "| temporalkv-2bit-cv-o0.5 | 2.23 | 21.00 | 1.05 |" in lines
-    assert "| temporalkv-2bit-cv-o0.5 | – | 0.800 | – | 0.85 [0.70, 0.95] |" in lines
+    assert "| temporalkv-2bit-cv-o0.5 | – | 0.800 | – | – | 0.85 [0.70, 0.95] |" in lines
     assert "temporalkv-2bit-o0" + "|" not in text.replace(" ", "") and "| 5 |" not in text
 
 

@@ -235,7 +235,8 @@ def test_intervals_are_paired_bootstrap(tmp_path):
     lo, hi = a["avg_ci"]
     assert lo < a["avg_accuracy"] < hi and hi - lo > 0.1  # 40 coin flips: a wide interval
     assert s["long_diff_ci"] == [0.0, 0.0] and s["long_ratio_ci"] == [1.0, 1.0]
-    assert z["avg_ci"] == [0.0, 0.0] and z["long_diff_ci"][1] < 0
+    assert s["ratio"] == 1.0 and s["ratio_ci"] == [1.0, 1.0]  # every length, paired the same way
+    assert z["avg_ci"] == [0.0, 0.0] and z["long_diff_ci"][1] < 0 and z["ratio"] == 0.0
     md = (tmp_path / "retrieval.md").read_text()
     assert "| same |" in md and "[1.00, 1.00]" in md
     # a second model's suite keeps its own files beside the default model's (--name picks them)
@@ -243,6 +244,15 @@ def test_intervals_are_paired_bootstrap(tmp_path):
     run_bench("benchmarks.retrieval", "--rerender", "--name", "m2", "--out", tmp_path)
     assert (tmp_path / "retrieval-m2.md").is_file() and (tmp_path / "retrieval-m2.png").is_file()
     assert (tmp_path / "retrieval.md").read_text() == md
+    # a suite of short prompts alone (no 4k-8k) still gets its paired ratio over every length
+    short = bench_call(RECORDS, json.dumps({f: [x for x in r["records"] if x["length"] == 2048]
+                                            for f, r in results.items()}))
+    (tmp_path / "retrieval-short.json").write_text(json.dumps(dict(rep, formats=short, settings=dict(
+        settings, name="short", lengths=[2048]))))
+    run_bench("benchmarks.retrieval", "--rerender", "--name", "short", "--out", tmp_path)
+    sh = json.loads((tmp_path / "retrieval-short.json").read_text())["formats"]
+    assert sh["same"]["ratio_ci"] == [1.0, 1.0] and sh["zero"]["ratio"] == 0.0
+    assert "long_ratio" not in sh["same"] and "long_ci" not in sh["same"]
 
 
 def test_needle_probe_finds_the_needle(tok, suites, smollm2_dir, tiny_artifact, tmp_path):

@@ -27,18 +27,19 @@ def write_markdown(rep: dict, path: Path) -> None:
              "the intervals are wide.", "",
              "## Average accuracy by length", "",
              "| --kv-cache-dtype | prompts | " + " | ".join(lengths)
-             + " | average | 4k-8k | 4k-8k ÷ auto | 4k-8k - auto |",
-             "|---|---|" + "---|" * (len(lengths) + 4)]
+             + " | average | ÷ auto | 4k-8k | 4k-8k ÷ auto | 4k-8k - auto |",
+             "|---|---|" + "---|" * (len(lengths) + 5)]
     for f, r in res.items():
         if "error" in r:
-            lines.append(f"| {f} | | " + " | ".join("–" for _ in lengths) + f" | refused: {r['error'][:120]} | | |")
+            lines.append(f"| {f} | | " + " | ".join("–" for _ in lengths) + f" | refused: {r['error'][:120]} | | | |")
             continue
         ratio = f"{r['long_ratio']:.2f}{_ci(r.get('long_ratio_ci'))}" if r.get("long_ratio") is not None else "–"
+        avg_ratio = f"{r['ratio']:.2f}{_ci(r.get('ratio_ci'))}" if r.get("ratio") is not None else "–"
         la = "–" if r.get("long_avg") is None else f"{r['long_avg']:.3f}{_ci(r.get('long_ci'))}"
         diff = f"{r['long_diff']:+.3f}{_ci(r.get('long_diff_ci'))}" if r.get("long_diff") is not None else "–"
         lines.append(f"| {f} | {samples_per_cell(r['records'])} | "
                      + " | ".join(f"{r['per_length'].get(n, float('nan')):.3f}" for n in lengths)
-                     + f" | {r['avg_accuracy']:.3f}{_ci(r.get('avg_ci'))} | {la} | {ratio} | {diff} |")
+                     + f" | {r['avg_accuracy']:.3f}{_ci(r.get('avg_ci'))} | {avg_ratio} | {la} | {ratio} | {diff} |")
     lines += ["", "## Per task (all lengths)", "", "| --kv-cache-dtype | " + " | ".join(st["tasks"]) + " |",
               "|---|" + "---|" * len(st["tasks"])]
     for f, r in res.items():
@@ -144,6 +145,10 @@ def report(rep: dict, out: Path, stem: str = "retrieval") -> dict:
                 figs[p + "samples"] = r["samples"]  # prompts per task and length
                 if "avg_ci" in r:
                     figs[p + "avg_accuracy_ci_low"], figs[p + "avg_accuracy_ci_high"] = r["avg_ci"]
+                if r.get("ratio") is not None:  # every length, paired with auto on the prompts both answered
+                    figs[p + "ratio_vs_auto"] = r["ratio"]
+                    if "ratio_ci" in r:
+                        figs[p + "ratio_vs_auto_ci_low"], figs[p + "ratio_vs_auto_ci_high"] = r["ratio_ci"]
                 if r.get("long_avg") is not None:  # the lengths >= 4096 (the issue's 4k-8k criterion)
                     figs[p + "avg_accuracy_4k_8k"] = r["long_avg"]
                     if "long_ci" in r:

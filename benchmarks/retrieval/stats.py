@@ -69,35 +69,46 @@ def _stratified_means(recs: list[dict], lengths: list[int], rounds: int, seed: i
 
 def intervals(results: dict, lengths: list[int], rounds: int = BOOT, seed: int = 0) -> None:
     """Add 95% bootstrap intervals to each scored format of ``results`` (in place): ``avg_ci``, ``long_ci``,
-    ``per_length_ci`` and, paired against ``auto`` on the prompts both answered, ``long_ratio`` /
+    ``per_length_ci`` and, paired against ``auto`` on the prompts both answered, ``ratio`` / ``ratio_ci`` (the
+    average over every length ÷ auto's: a suite of short prompts alone has no 4k-8k), ``long_ratio`` /
     ``long_ratio_ci`` (4k-8k ÷ auto) and ``long_diff_ci`` (4k-8k minus auto)."""
     import numpy as np
 
     ok = {f: r["records"] for f, r in results.items() if "error" not in r and r.get("records")}
     q = lambda a: [float(np.quantile(a, (1 - CI) / 2)), float(np.quantile(a, (1 + CI) / 2))]  # noqa: E731
+
+    def ratio_ci(num, den):  # the draws where auto scored anything
+        with np.errstate(divide="ignore", invalid="ignore"):
+            x = num / den
+        x = x[np.isfinite(x)]
+        return q(x) if x.size else None
+
     base = ok.get("auto")
+    has_long = any(n >= 4096 for n in lengths)
     for f, recs in ok.items():
         r = results[f]
         b = _stratified_means(recs, lengths, rounds, seed)
         r["avg_ci"] = q(b["avg"])
         r["per_length_ci"] = {str(n): q(v) for n, v in b["by_length"].items()}
-        if not any(n >= 4096 for n in lengths):
-            continue
-        r["long_ci"] = q(b["long"])
+        if has_long:
+            r["long_ci"] = q(b["long"])
         if base is None or f == "auto":
             continue
         common = {record_key(x) for x in recs} & {record_key(x) for x in base}
         pb = _stratified_means(recs, lengths, rounds, seed, paired=base, keys=common)
         mean = lambda rs: summarize([x for x in rs if record_key(x) in common])  # noqa: E731
         mine, theirs = mean(recs), mean(base)
+        r["paired_prompts"] = len(common)
+        r["ratio"] = mine["avg_accuracy"] / theirs["avg_accuracy"] if theirs["avg_accuracy"] else None
+        r.pop("ratio_ci", None)
+        if (ci := ratio_ci(pb["avg"], pb["paired_avg"])) is not None:
+            r["ratio_ci"] = ci
+        if not has_long:
+            continue
         long = [str(n) for n in lengths if n >= 4096]
         la, lb = (sum(m["per_length"][n] for n in long) / len(long) for m in (mine, theirs))
         r["long_ratio"] = la / lb if lb else None  # on the prompts both answered
         r["long_diff"] = la - lb
-        r["paired_prompts"] = len(common)
         r["long_diff_ci"] = q(pb["long"] - pb["paired_long"])
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = pb["long"] / pb["paired_long"]
-        ratio = ratio[np.isfinite(ratio)]
-        if ratio.size:
-            r["long_ratio_ci"] = q(ratio)
+        if (ci := ratio_ci(pb["long"], pb["paired_long"])) is not None:
+            r["long_ratio_ci"] = ci
