@@ -1765,6 +1765,14 @@ inline int lane_single(const float* S, int lane, int K, float thr) {
     const unsigned mk = le_mask((vf)_mm512_i32gather_ps(gi, S, 4), vbc(thr));
     return mk && !(mk & (mk - 1)) ? __builtin_ctz(mk) : -1;
   }
+#elif TKV_W == 8
+  if (K == 256) {  // the column's 32 rows in four gathers of 8
+    const __m256i step = _mm256_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56);
+    uint32_t mk = 0;
+    for (int r = 0; r < 4; ++r)
+      mk |= le_mask((vf)_mm256_i32gather_ps(S + r * 64 + lane, step, 4), vbc(thr)) << (8 * r);
+    return mk && !(mk & (mk - 1)) ? __builtin_ctz(mk) : -1;
+  }
 #endif
   int found = -1;
   for (int j = 0; j < K / W; ++j)
