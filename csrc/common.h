@@ -203,6 +203,27 @@ struct Kernels {
   void (*window_item)(const WindowArgs&, int64_t item);    // item = h * chunks + chunk of WIN_ROWS queries
 };
 
+// A short prefill chunk's attention on AMX tiles (amx_attention.h, compiled in isa_amx.cpp): its arguments, and
+// head h's part (every query, the head's g query heads); callers check amx_ready() in ops.cpp first.
+namespace amx {
+struct ChunkArgs {
+  int Tq, H, g, D;                    // queries, KV heads, query heads per KV head, head dim (a multiple of 32)
+  int64_t offset;                     // position of query 0
+  int64_t nd;                         // decoded rows used: [0, own block of the last query)
+  int64_t x0, nx;                     // exact rows: positions x0 .. x0 + nx - 1 (x0: own block of query 0)
+  float scale;
+  const uint16_t* q;                  // bf16 bits, q[u * sq_t + hq * sq_h + d]
+  int64_t sq_t, sq_h;
+  const uint16_t *kd, *vd;            // decoded, [., H, D] rows: kd[t * sd_t + h * sd_h + d]
+  int64_t sd_t, sd_h;
+  const uint16_t *kx, *vx;            // exact, rows from position x0
+  int64_t sx_t, sx_h;
+  uint16_t* out;                      // [Tq, Hq, D] bf16: out[u * so_t + hq * so_h + d]
+  int64_t so_t, so_h;
+};
+void chunk_head_entry(const ChunkArgs& a, int h);
+}  // namespace amx
+
 namespace avx512 { extern const Kernels kernels; }
 namespace avx2 { extern const Kernels kernels; }
 namespace scalar { extern const Kernels kernels; }

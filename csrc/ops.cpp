@@ -5,6 +5,12 @@
 
 #include <ATen/Parallel.h>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -903,6 +909,23 @@ void window_merge(const at::Tensor& q, const at::Tensor& kd, const at::Tensor& v
 // and (b) causal; gqa: torch's kernel maps query heads to KV heads (cpu_flash._flash_gqa) - and window_merge's (c)
 // and merge into out.  The same ATen ops in the same order as the Python, so the same output bit for bit; what it
 // saves is ~20 Python-dispatched tensor ops per layer (~1/4 of a prefix-cache hit's short chunk on a 2-core VM).
+// Whether the AMX short-chunk attention can run here: AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22),
+// AVX512-BF16, and Linux granting this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, as
+// vLLM's CPU worker and torch ask it; asking again is harmless).  Asked once.
+bool amx_ready() {
+#if defined(__x86_64__)
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 22) & 1)) return false;
+    if (!__builtin_cpu_supports("avx512bf16")) return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 void prefill_chunk_flash(const at::Tensor& pages, const at::Tensor& q, const at::Tensor& kh, const at::Tensor& vh,
                          const at::Tensor& ke, const at::Tensor& ve, const at::Tensor& positions,
                          const at::Tensor& page_ids, const at::Tensor& block_table, int64_t m, int64_t x0, int64_t e0,
@@ -910,7 +933,7 @@ void prefill_chunk_flash(const at::Tensor& pages, const at::Tensor& q, const at:
                          const std::vector<at::Tensor>& kt, const std::vector<int64_t>& ki,
                          const std::vector<at::Tensor>& vt, const std::vector<int64_t>& vi,
                          const std::vector<int64_t>& li, int64_t sink_page, int64_t ring_page, double scale,
-                         at::Tensor& out, const at::Tensor& mask, bool gqa) {
+                         at::Tensor& out, const at::Tensor& mask, bool gqa, bool amx) {
   TORCH_CHECK(0 <= x0 && x0 <= e0 && e0 <= m, "prefill_chunk_flash: decoded exact rows x0 <= e0 <= m");
   const std::vector<at::Tensor> kv = write_gather(pages, kh, vh, positions, page_ids, block_table, m, cos, sin, s2,
                                                   kt, ki, vt, vi, li, sink_page, ring_page);
@@ -922,6 +945,24 @@ void prefill_chunk_flash(const at::Tensor& pages, const at::Tensor& q, const at:
   const int64_t Tq = q.size(0), Hq = q.size(1), D = q.size(2), H = kd.size(1), g = Hq / H;
   TORCH_CHECK(H > 0 && Hq % H == 0, "query heads must be a multiple of the KV heads");
   if (Tq == 0) return;
+  // a short chunk (the masked call's) on AMX tiles, in place of flash and the merge (amx_attention.h), where asked
+  // (ops.cpu._amx_short) and the shapes fit: bf16, the keys' own-block rule plain (no sinks read as decoded rows)
+  if (amx && mask.defined() && mask.numel() > 0 && dt == at::kBFloat16 && !mixed && offset >= BLOCK && D % 32 == 0 &&
+      D <= 128 && q.stride(2) == 1 && out.stride(2) == 1 && amx_ready()) {
+    const at::Tensor kdc = kd.contiguous(), vdc = vd.contiguous(), kxc = kx.contiguous(), vxc = vx.contiguous();
+    const int64_t n = offset + Tq;
+    amx::ChunkArgs a{(int)Tq, (int)H, (int)g, (int)D, offset, (n - 1) & ~int64_t(BLOCK - 1), x0, kxc.size(0),
+                     (float)scale,
+                     reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), q.stride(1),
+                     reinterpret_cast<const uint16_t*>(kdc.data_ptr()), reinterpret_cast<const uint16_t*>(vdc.data_ptr()),
+                     kdc.stride(0), kdc.stride(1),
+                     reinterpret_cast<const uint16_t*>(kxc.data_ptr()), reinterpret_cast<const uint16_t*>(vxc.data_ptr()),
+                     kxc.stride(0), kxc.stride(1),
+                     reinterpret_cast<uint16_t*>(out.data_ptr()), out.stride(0), out.stride(1)};
+    TORCH_CHECK(a.nd <= kdc.size(0) && x0 + a.nx == n, "prefill_chunk_flash: the AMX path's key rows");
+    parallel_items(H, [&](int64_t h) { amx::chunk_head_entry(a, (int)h); });
+    return;
+  }
   std::vector<at::Tensor> po, pl;
   std::vector<int64_t> pt;
   const int64_t s = offset - BLOCK;  // query t sees decoded keys < s + t + 1 in (a) and (b)
@@ -1001,9 +1042,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_chunk", &tkv::prefill_chunk, py::call_guard<py::gil_scoped_release>());
   m.def("prefill_chunk_flash", &tkv::prefill_chunk_flash, py::call_guard<py::gil_scoped_release>());
   m.def("window_merge", &tkv::window_merge, py::call_guard<py::gil_scoped_release>());
+  m.def("amx_ready", &tkv::amx_ready, "whether the AMX short-chunk attention runs here (CPU and OS)");
   m.def("bf16_dot", &tkv::bf16_dot, "whether prefill_attention takes bf16 scores here (avx512 + AVX512_BF16)");
   m.attr("TILE") = tkv::TILE;  // the prefill kernel's key tiles
   m.attr("DECODE_TILE") = tkv::DTILE;
   // bumped whenever an op's arguments change: ops/cpu.py refuses (and says so) a stale build
-  m.attr("ABI_VERSION") = 17;
+  m.attr("ABI_VERSION") = 18;
 }

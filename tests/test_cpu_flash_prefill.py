@@ -154,6 +154,7 @@ def test_fused_flash_chunk_is_the_python_composition(gqa, monkeypatch):
     the C++ encode does not serve): the same pages and outputs bit for bit, for chunks inside the sinks, short ones
     (one masked call) and a long one (parts (a) and (b) apart), with K/V heads passed as they are or repeated."""
     monkeypatch.setattr(cpu, "PREFILL", "flash")
+    monkeypatch.setattr(cpu, "AMX_SHORT", False)  # (the AMX short-chunk kernel: its own test below)
     monkeypatch.setattr(cpu, "_flash_gqa", lambda: gqa)
     monkeypatch.setattr(cpu_flash, "_flash_gqa", lambda: gqa)
     D, n, bs = 64, 1000, 16
@@ -178,6 +179,45 @@ def test_fused_flash_chunk_is_the_python_composition(gqa, monkeypatch):
         runs.append((out, pages))
     assert torch.equal(runs[0][1], runs[1][1])
     assert torch.equal(runs[0][0], runs[1][0])
+
+
+@pytest.mark.skipif(not (cpu.available() and cpu._C.amx_ready()), reason="no AMX tiles here (CPU or OS)")
+@pytest.mark.parametrize("H,G,D", [(3, 3, 64), (2, 4, 128), (1, 1, 96)])
+def test_amx_short_chunks_match_the_kernel(H, G, D, monkeypatch):
+    """The short chunks of the flash path on AMX tiles (csrc/amx_attention.h: a prefix-cache hit's new tokens):
+    served through ops.cpu.forward, chunk by chunk - at block boundaries and off them, 1 to 60 queries, over
+    contexts of 8 to ~1000 (so the own-block rule, the folded query heads and the padded key and row tiles all
+    vary) - within bf16 rounding of the C++ kernel's float32 attention on the same pages (which the two paths
+    write bit-identically), and not the flash path's outputs bit for bit (the tiles did serve)."""
+    monkeypatch.setattr(cpu, "PREFILL", "flash")
+    n, bs = 1000, 16
+    lc = make_cache("temporalkv-2bit", D, True, torch.bfloat16, 1, block_size=bs, H=H, GQ=G)
+    g = torch.Generator().manual_seed(6)
+    k, v = torch.randn(n, H, D, generator=g).bfloat16(), torch.randn(n, H, D, generator=g).bfloat16()
+    q = torch.randn(n, H * G, D, generator=g).bfloat16()
+    table = torch.randperm(n // bs + 1, generator=g)
+    cuts = [0, 8, 9, 40, 41, 101, 161, 168, 200, 256, 257, 300, 333, 393, 430, 490, 550, 610, 670, 730, 790, 850, 910,
+            940, 941, n]
+    assert all(cpu_flash.short_mask(b - a, a, G, torch.bfloat16) is not None for a, b in zip(cuts[1:], cuts[2:]))
+    runs = {}
+    for mode, amx in (("kernel", False), ("flash", False), ("flash", True)):
+        monkeypatch.setattr(cpu, "PREFILL", mode)
+        monkeypatch.setattr(cpu, "AMX_SHORT", amx)
+        pages = torch.zeros(len(table), H, lc.layout.bytes, dtype=torch.uint8)
+        out = torch.empty(n, H * G, D, dtype=torch.bfloat16)
+        for a, b in zip(cuts, cuts[1:]):
+            pos = torch.arange(a, b)
+            out[a:b] = cpu.forward(lc, pages, q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), torch.tensor([b]),
+                                   table[None], pos, table[pos // bs], D ** -0.5, batch_invariant=False)
+        runs[mode, amx] = (out, pages)
+    ref = runs["kernel", False][0].float()
+    tol = FLASH_TOL * ref.abs().max().item()
+    for key, (out, pages) in runs.items():
+        assert torch.equal(pages, runs["kernel", False][1]), key
+        assert (out.float() - ref).abs().max().item() <= tol, key
+    got, flash = runs["flash", True][0], runs["flash", False][0]
+    assert torch.equal(got[:8], flash[:8])  # the first chunk (inside the sinks) is not short-path work
+    assert not torch.equal(got[8:], flash[8:])
 
 
 def test_auto_selects_flash_for_bf16_on_amx_only(monkeypatch):
