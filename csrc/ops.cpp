@@ -903,12 +903,6 @@ void window_merge(const at::Tensor& q, const at::Tensor& kd, const at::Tensor& v
   parallel_items(H * chunks, [&](int64_t i) { kern->window_item(a, i); });
 }
 
-// A prefill chunk's layer step on codebook pages without a recent window, attending on torch's flash kernel
-// (ops.cpu._prefill where use_flash_prefill): write_gather, then cpu_flash.flash_prefill's parts without a window -
-// (a) and (b) in one masked call where the caller passes the mask (a short chunk: cpu_flash._mask), else (a) unmasked
-// and (b) causal; gqa: torch's kernel maps query heads to KV heads (cpu_flash._flash_gqa) - and window_merge's (c)
-// and merge into out.  The same ATen ops in the same order as the Python, so the same output bit for bit; what it
-// saves is ~20 Python-dispatched tensor ops per layer (~1/4 of a prefix-cache hit's short chunk on a 2-core VM).
 // Whether the AMX short-chunk attention can run here: AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22),
 // AVX512-BF16, and Linux granting this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, as
 // vLLM's CPU worker and torch ask it; asking again is harmless).  Asked once.
@@ -926,6 +920,14 @@ bool amx_ready() {
 #endif
 }
 
+// A prefill chunk's layer step on codebook pages without a recent window, attending on torch's flash kernel
+// (ops.cpu._prefill where use_flash_prefill): write_gather, then cpu_flash.flash_prefill's parts without a window -
+// (a) and (b) in one masked call where the caller passes the mask (a short chunk: cpu_flash._mask), else (a) unmasked
+// and (b) causal; gqa: torch's kernel maps query heads to KV heads (cpu_flash._flash_gqa) - and window_merge's (c)
+// and merge into out.  The same ATen ops in the same order as the Python, so the same output bit for bit; what it
+// saves is ~20 Python-dispatched tensor ops per layer (~1/4 of a prefix-cache hit's short chunk on a 2-core VM).
+// amx: a short chunk's attention (the masked call's) on AMX tiles instead of flash and the merge, where amx_ready()
+// (csrc/amx_attention.h; within bf16 rounding of the flash path, not bit-identical to it).
 void prefill_chunk_flash(const at::Tensor& pages, const at::Tensor& q, const at::Tensor& kh, const at::Tensor& vh,
                          const at::Tensor& ke, const at::Tensor& ve, const at::Tensor& positions,
                          const at::Tensor& page_ids, const at::Tensor& block_table, int64_t m, int64_t x0, int64_t e0,
@@ -946,7 +948,7 @@ void prefill_chunk_flash(const at::Tensor& pages, const at::Tensor& q, const at:
   TORCH_CHECK(H > 0 && Hq % H == 0, "query heads must be a multiple of the KV heads");
   if (Tq == 0) return;
   // a short chunk (the masked call's) on AMX tiles, in place of flash and the merge (amx_attention.h), where asked
-  // (ops.cpu._amx_short) and the shapes fit: bf16, the keys' own-block rule plain (no sinks read as decoded rows)
+  // (ops.cpu.AMX_SHORT) and the shapes fit: bf16, the keys' own-block rule plain (no sinks read as decoded rows)
   if (amx && mask.defined() && mask.numel() > 0 && dt == at::kBFloat16 && !mixed && offset >= BLOCK && D % 32 == 0 &&
       D <= 128 && q.stride(2) == 1 && out.stride(2) == 1 && amx_ready()) {
     const at::Tensor kdc = kd.contiguous(), vdc = vd.contiguous(), kxc = kx.contiguous(), vxc = vx.contiguous();

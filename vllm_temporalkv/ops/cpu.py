@@ -96,7 +96,7 @@ def _jit_load():
     if not src.is_dir():
         raise ImportError(f"no csrc/ next to the package ({src})")
     x86 = platform.machine().lower() in ("x86_64", "amd64", "i686")
-    units = ["ops.cpp", "isa_scalar.cpp"] + (["isa_avx2.cpp", "isa_avx512.cpp"] if x86 else [])
+    units = ["ops.cpp", "isa_scalar.cpp"] + (["isa_avx2.cpp", "isa_avx512.cpp", "isa_amx.cpp"] if x86 else [])  # setup.py's
     return load(name="vllm_temporalkv_C_cpu", sources=[str(src / u) for u in units],
                 extra_include_paths=[str(src)],
                 extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
