@@ -222,6 +222,15 @@ struct ChunkArgs {
   int64_t so_t, so_h;
 };
 void chunk_head_entry(const ChunkArgs& a, int h);
+// the long-chunk kernel's packed operands per KV head (amx_attention.h long_offsets): rows and keys padded to 32
+struct LongShape {
+  int64_t Rp, nd32, nx32;
+  int D;
+  int64_t words_per_head() const { return Rp * D / 2 + (nd32 + nx32) * D; }
+};
+void long_pack_entry(const ChunkArgs& a, const LongShape& s, int h, uint32_t* buf);
+void long_panel_entry(const ChunkArgs& a, const LongShape& s, int h, int64_t panel, const uint32_t* buf);
+constexpr int LONG_PANEL_ROWS = 256;  // amx_attention.h LONG_ROWS
 }  // namespace amx
 
 namespace avx512 { extern const Kernels kernels; }

@@ -926,8 +926,9 @@ bool amx_ready() {
 // and (b) causal; gqa: torch's kernel maps query heads to KV heads (cpu_flash._flash_gqa) - and window_merge's (c)
 // and merge into out.  The same ATen ops in the same order as the Python, so the same output bit for bit; what it
 // saves is ~20 Python-dispatched tensor ops per layer (~1/4 of a prefix-cache hit's short chunk on a 2-core VM).
-// amx: a short chunk's attention (the masked call's) on AMX tiles instead of flash and the merge, where amx_ready()
-// (csrc/amx_attention.h; within bf16 rounding of the flash path, not bit-identical to it).
+// amx: a chunk's attention on AMX tiles instead of flash and the merge, where amx_ready() - bit 1 a short chunk's
+// (the masked call's), bit 2 a long one's (csrc/amx_attention.h; within bf16 rounding of the flash path, not
+// bit-identical to it).
 void prefill_chunk_flash(const at::Tensor& pages, const at::Tensor& q, const at::Tensor& kh, const at::Tensor& vh,
                          const at::Tensor& ke, const at::Tensor& ve, const at::Tensor& positions,
                          const at::Tensor& page_ids, const at::Tensor& block_table, int64_t m, int64_t x0, int64_t e0,
@@ -935,7 +936,7 @@ void prefill_chunk_flash(const at::Tensor& pages, const at::Tensor& q, const at:
                          const std::vector<at::Tensor>& kt, const std::vector<int64_t>& ki,
                          const std::vector<at::Tensor>& vt, const std::vector<int64_t>& vi,
                          const std::vector<int64_t>& li, int64_t sink_page, int64_t ring_page, double scale,
-                         at::Tensor& out, const at::Tensor& mask, bool gqa, bool amx) {
+                         at::Tensor& out, const at::Tensor& mask, bool gqa, int64_t amx) {
   TORCH_CHECK(0 <= x0 && x0 <= e0 && e0 <= m, "prefill_chunk_flash: decoded exact rows x0 <= e0 <= m");
   const std::vector<at::Tensor> kv = write_gather(pages, kh, vh, positions, page_ids, block_table, m, cos, sin, s2,
                                                   kt, ki, vt, vi, li, sink_page, ring_page);
@@ -947,10 +948,11 @@ void prefill_chunk_flash(const at::Tensor& pages, const at::Tensor& q, const at:
   const int64_t Tq = q.size(0), Hq = q.size(1), D = q.size(2), H = kd.size(1), g = Hq / H;
   TORCH_CHECK(H > 0 && Hq % H == 0, "query heads must be a multiple of the KV heads");
   if (Tq == 0) return;
-  // a short chunk (the masked call's) on AMX tiles, in place of flash and the merge (amx_attention.h), where asked
-  // (ops.cpu.AMX_SHORT) and the shapes fit: bf16, the keys' own-block rule plain (no sinks read as decoded rows)
-  if (amx && mask.defined() && mask.numel() > 0 && dt == at::kBFloat16 && !mixed && offset >= BLOCK && D % 32 == 0 &&
-      D <= 128 && q.stride(2) == 1 && out.stride(2) == 1 && amx_ready()) {
+  // on AMX tiles in place of flash and the merge (amx_attention.h), where asked (amx: 1 a short chunk - the masked
+  // call's -, 2 a long one; ops.cpu.AMX_SHORT / AMX_LONG) and the shapes fit (bf16, head dims 32 .. 128 by 32)
+  const bool short_chunk = mask.defined() && mask.numel() > 0;
+  if ((amx & (short_chunk ? 1 : 2)) && dt == at::kBFloat16 && D % 32 == 0 && D <= 128 && q.stride(2) == 1 &&
+      out.stride(2) == 1 && (!short_chunk || (!mixed && offset >= BLOCK)) && amx_ready()) {
     const at::Tensor kdc = kd.contiguous(), vdc = vd.contiguous(), kxc = kx.contiguous(), vxc = vx.contiguous();
     const int64_t n = offset + Tq;
     amx::ChunkArgs a{(int)Tq, (int)H, (int)g, (int)D, offset, (n - 1) & ~int64_t(BLOCK - 1), x0, kxc.size(0),
@@ -962,7 +964,21 @@ void prefill_chunk_flash(const at::Tensor& pages, const at::Tensor& q, const at:
                      kxc.stride(0), kxc.stride(1),
                      reinterpret_cast<uint16_t*>(out.data_ptr()), out.stride(0), out.stride(1)};
     TORCH_CHECK(a.nd <= kdc.size(0) && x0 + a.nx == n, "prefill_chunk_flash: the AMX path's key rows");
-    parallel_items(H, [&](int64_t h) { amx::chunk_head_entry(a, (int)h); });
+    if (short_chunk) {
+      parallel_items(H, [&](int64_t h) { amx::chunk_head_entry(a, (int)h); });
+      return;
+    }
+    // a long chunk: every head's operands packed (one item per head), then panels of rows (the longest first)
+    const int64_t R = Tq * g, panels = (R + amx::LONG_PANEL_ROWS - 1) / amx::LONG_PANEL_ROWS;
+    const amx::LongShape ls{(R + 31) / 32 * 32, (a.nd + 31) / 32 * 32, (a.nx + 31) / 32 * 32, (int)D};
+    // (kept between calls: a fresh ~10 MB buffer per layer step page-faults on every first touch)
+    thread_local std::vector<uint32_t> packed;
+    if (packed.size() < (size_t)(ls.words_per_head() * H)) packed.resize(ls.words_per_head() * H);
+    uint32_t* buf = packed.data();
+    parallel_items(H, [&](int64_t h) { amx::long_pack_entry(a, ls, (int)h, buf); });
+    parallel_items(H * panels, [&](int64_t i) {
+      amx::long_panel_entry(a, ls, (int)(i % H), panels - 1 - i / H, buf);
+    });
     return;
   }
   std::vector<at::Tensor> po, pl;
@@ -1044,10 +1060,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_chunk", &tkv::prefill_chunk, py::call_guard<py::gil_scoped_release>());
   m.def("prefill_chunk_flash", &tkv::prefill_chunk_flash, py::call_guard<py::gil_scoped_release>());
   m.def("window_merge", &tkv::window_merge, py::call_guard<py::gil_scoped_release>());
-  m.def("amx_ready", &tkv::amx_ready, "whether the AMX short-chunk attention runs here (CPU and OS)");
+  m.def("amx_ready", &tkv::amx_ready, "whether the AMX prefill-chunk attention runs here (CPU and OS)");
   m.def("bf16_dot", &tkv::bf16_dot, "whether prefill_attention takes bf16 scores here (avx512 + AVX512_BF16)");
   m.attr("TILE") = tkv::TILE;  // the prefill kernel's key tiles
   m.attr("DECODE_TILE") = tkv::DTILE;
   // bumped whenever an op's arguments change: ops/cpu.py refuses (and says so) a stale build
-  m.attr("ABI_VERSION") = 18;
+  m.attr("ABI_VERSION") = 19;
 }

@@ -154,7 +154,8 @@ def test_fused_flash_chunk_is_the_python_composition(gqa, monkeypatch):
     the C++ encode does not serve): the same pages and outputs bit for bit, for chunks inside the sinks, short ones
     (one masked call) and a long one (parts (a) and (b) apart), with K/V heads passed as they are or repeated."""
     monkeypatch.setattr(cpu, "PREFILL", "flash")
-    monkeypatch.setattr(cpu, "AMX_SHORT", False)  # (the AMX short-chunk kernel: its own test below)
+    monkeypatch.setattr(cpu, "AMX_SHORT", False)  # (the AMX kernels: their own tests below)
+    monkeypatch.setattr(cpu, "AMX_LONG", False)
     monkeypatch.setattr(cpu, "_flash_gqa", lambda: gqa)
     monkeypatch.setattr(cpu_flash, "_flash_gqa", lambda: gqa)
     D, n, bs = 64, 1000, 16
@@ -200,6 +201,7 @@ def test_amx_short_chunks_match_the_kernel(H, G, D, monkeypatch):
             940, 941, n]
     assert all(cpu_flash.short_mask(b - a, a, G, torch.bfloat16) is not None for a, b in zip(cuts[1:], cuts[2:]))
     runs = {}
+    monkeypatch.setattr(cpu, "AMX_LONG", False)  # (the first chunk, inside the sinks: flash's)
     for mode, amx in (("kernel", False), ("flash", False), ("flash", True)):
         monkeypatch.setattr(cpu, "PREFILL", mode)
         monkeypatch.setattr(cpu, "AMX_SHORT", amx)
@@ -218,6 +220,47 @@ def test_amx_short_chunks_match_the_kernel(H, G, D, monkeypatch):
     got, flash = runs["flash", True][0], runs["flash", False][0]
     assert torch.equal(got[:8], flash[:8])  # the first chunk (inside the sinks) is not short-path work
     assert not torch.equal(got[8:], flash[8:])
+
+
+@pytest.mark.skipif(not (cpu.available() and cpu._C.amx_ready()), reason="no AMX tiles here (CPU or OS)")
+@pytest.mark.parametrize("H,G,D", [(3, 3, 64), (2, 4, 128), (1, 1, 96)])
+def test_amx_long_chunks_match_the_kernel(H, G, D, monkeypatch):
+    """The long chunks of the flash path on AMX tiles (csrc/amx_attention.h long_panel: a prompt's prefill chunks,
+    flash-style over 256-key blocks with an online softmax): a 2001-token prompt served through ops.cpu.forward in
+    chunks too long for one masked call - the first at position 0 (queries inside the sinks), one starting inside
+    them (its exact keys begin with decoded sink rows), others at and off block boundaries, over up to ~1300 cached
+    tokens (several key blocks, the panels' causal ends, padded row pairs) - within bf16 rounding of the C++
+    kernel's float32 attention on the same pages, and not flash's outputs bit for bit (the tiles served)."""
+    n, bs = 2001, 16
+    lc = make_cache("temporalkv-2bit", D, True, torch.bfloat16, 1, block_size=bs, H=H, GQ=G)
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(n, H, D, generator=g).bfloat16(), torch.randn(n, H, D, generator=g).bfloat16()
+    q = torch.randn(n, H * G, D, generator=g).bfloat16()
+    table = torch.randperm(n // bs + 1, generator=g)
+    cuts = [0, 5, 700, 1333, 1340, n]
+    long_ = [(a, b) for a, b in zip(cuts, cuts[1:]) if cpu_flash.short_mask(b - a, a, G, torch.bfloat16) is None]
+    assert len(long_) >= 3 and long_[0] == (0, 5)
+    runs = {}
+    monkeypatch.setattr(cpu, "AMX_SHORT", False)
+    for mode, amx in (("kernel", False), ("flash", False), ("flash", True)):
+        monkeypatch.setattr(cpu, "PREFILL", mode)
+        monkeypatch.setattr(cpu, "AMX_LONG", amx)
+        pages = torch.zeros(len(table), H, lc.layout.bytes, dtype=torch.uint8)
+        out = torch.empty(n, H * G, D, dtype=torch.bfloat16)
+        for a, b in zip(cuts, cuts[1:]):
+            pos = torch.arange(a, b)
+            out[a:b] = cpu.forward(lc, pages, q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), torch.tensor([b]),
+                                   table[None], pos, table[pos // bs], D ** -0.5, batch_invariant=False)
+        runs[mode, amx] = (out, pages)
+    ref = runs["kernel", False][0].float()
+    tol = FLASH_TOL * ref.abs().max().item()
+    for key, (out, pages) in runs.items():
+        assert torch.equal(pages, runs["kernel", False][1]), key
+        for a, b in zip(cuts, cuts[1:]):  # chunk by chunk: every kind of chunk within bf16 rounding
+            assert (out[a:b].float() - ref[a:b]).abs().max().item() <= tol, (key, a, b)
+    got, flash = runs["flash", True][0], runs["flash", False][0]
+    for a, b in long_[1:]:
+        assert not torch.equal(got[a:b], flash[a:b]), (a, b)
 
 
 def test_auto_selects_flash_for_bf16_on_amx_only(monkeypatch):

@@ -42,7 +42,8 @@ variant (default: the best the CPU has); ``VLLM_TEMPORALKV_CPU_JIT=1`` compiles 
 (``cpu_flash``: bf16 GEMMs on AMX tiles, bf16-rounded) or the C++ kernel (chunk-invariant); auto (default): flash
 for a bf16 model on a CPU with AMX unless VLLM_TEMPORALKV_CPU_EXACT=1 (``use_flash_prefill``).
 ``VLLM_TEMPORALKV_CPU_AMX_SHORT=0`` keeps a short chunk (a prefix-cache hit's new tokens: ``cpu_flash.short_mask``) on
-flash and the merge instead of the AMX tile kernel (csrc/amx_attention.h) where the flash path serves.
+flash and the merge instead of the AMX tile kernel (csrc/amx_attention.h) where the flash path serves;
+``VLLM_TEMPORALKV_CPU_AMX_LONG=0`` likewise a long chunk (a prompt's prefill chunks: the flash-style tile kernel).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from .cpu_flash import _flash_gqa, flash_prefill, register_window_merge, short_m
 
 logger = logging.getLogger("vllm.temporalkv")
 
-ABI_VERSION = 18  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
+ABI_VERSION = 19  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
 # split-K: every request's context is cut at the same tile boundaries whatever the batch, so its output does
 # not depend on which requests share the step (a batch-dependent split count changed float32 rounding, and a
 # 2-bit cache amplifies that through the codes of later tokens: benchmarks/stress.py).  Long splits cost less
@@ -79,6 +80,8 @@ EXACT = os.environ.get("VLLM_TEMPORALKV_CPU_EXACT") == "1"
 PREFILL = os.environ.get("VLLM_TEMPORALKV_CPU_PREFILL", "auto")
 # a short chunk of the flash path on AMX tiles (csrc/amx_attention.h) where the CPU and OS allow (_C.amx_ready)
 AMX_SHORT = os.environ.get("VLLM_TEMPORALKV_CPU_AMX_SHORT", "1") != "0"
+# a long chunk (a prompt's prefill chunks) likewise on AMX tiles, flash-style (csrc/amx_attention.h long_panel)
+AMX_LONG = os.environ.get("VLLM_TEMPORALKV_CPU_AMX_LONG", "1") != "0"
 if PREFILL not in ("auto", "flash", "kernel"):
     raise ValueError(f"VLLM_TEMPORALKV_CPU_PREFILL={PREFILL!r}: expected auto, flash or kernel (unset: auto)")
 
@@ -694,7 +697,7 @@ def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: floa
             mask = short_mask(q.shape[0], ctx, q.shape[1] // k.shape[1], q.dtype)  # (cached across layers)
             _C.prefill_chunk_flash(pages, q, kh, vh, ke, ve, positions, page_ids, _i32(table), m, x, e0, ctx, cos,
                                    sin, float(lc.rope.scale) ** 2, *_args(lc, k.shape[1]), sink, ring, float(scale),
-                                   out, _NO_MASK if mask is None else mask, _flash_gqa(), AMX_SHORT)
+                                   out, _NO_MASK if mask is None else mask, _flash_gqa(), AMX_SHORT | AMX_LONG << 1)
         return
     if w:
         write_kv_window(lc, pages, k, v, torch.tensor([0, nq]), torch.tensor([n]), table[None])
