@@ -182,6 +182,38 @@ def test_fused_flash_chunk_is_the_python_composition(gqa, monkeypatch):
     assert torch.equal(runs[0][0], runs[1][0])
 
 
+def _amx_runs(H, G, D, n, seed, cuts, switch, monkeypatch):
+    """A prompt of n tokens served through ops.cpu.forward at the cuts, by the C++ kernel, by the flash path with
+    the AMX kernel named by ``switch`` (ops.cpu.AMX_SHORT / AMX_LONG; the other one off) off, and with it on:
+    {(mode, on): (outputs, pages)}; asserts the pages bit-identical and every chunk's outputs within bf16 rounding
+    of the C++ kernel's float32 attention."""
+    bs = 16
+    lc = make_cache("temporalkv-2bit", D, True, torch.bfloat16, 1, block_size=bs, H=H, GQ=G)
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(n, H, D, generator=g).bfloat16(), torch.randn(n, H, D, generator=g).bfloat16()
+    q = torch.randn(n, H * G, D, generator=g).bfloat16()
+    table = torch.randperm(n // bs + 1, generator=g)
+    monkeypatch.setattr(cpu, "AMX_LONG" if switch == "AMX_SHORT" else "AMX_SHORT", False)
+    runs = {}
+    for mode, on in (("kernel", False), ("flash", False), ("flash", True)):
+        monkeypatch.setattr(cpu, "PREFILL", mode)
+        monkeypatch.setattr(cpu, switch, on)
+        pages = torch.zeros(len(table), H, lc.layout.bytes, dtype=torch.uint8)
+        out = torch.empty(n, H * G, D, dtype=torch.bfloat16)
+        for a, b in zip(cuts, cuts[1:]):
+            pos = torch.arange(a, b)
+            out[a:b] = cpu.forward(lc, pages, q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), torch.tensor([b]),
+                                   table[None], pos, table[pos // bs], D ** -0.5, batch_invariant=False)
+        runs[mode, on] = (out, pages)
+    ref = runs["kernel", False][0].float()
+    tol = FLASH_TOL * ref.abs().max().item()
+    for key, (out, pages) in runs.items():
+        assert torch.equal(pages, runs["kernel", False][1]), key
+        for a, b in zip(cuts, cuts[1:]):  # chunk by chunk: every kind of chunk within bf16 rounding
+            assert (out[a:b].float() - ref[a:b]).abs().max().item() <= tol, (key, a, b)
+    return runs
+
+
 @pytest.mark.skipif(not (cpu.available() and cpu._C.amx_ready()), reason="no AMX tiles here (CPU or OS)")
 @pytest.mark.parametrize("H,G,D", [(3, 3, 64), (2, 4, 128), (1, 1, 96)])
 def test_amx_short_chunks_match_the_kernel(H, G, D, monkeypatch):
@@ -190,33 +222,11 @@ def test_amx_short_chunks_match_the_kernel(H, G, D, monkeypatch):
     contexts of 8 to ~1000 (so the own-block rule, the folded query heads and the padded key and row tiles all
     vary) - within bf16 rounding of the C++ kernel's float32 attention on the same pages (which the two paths
     write bit-identically), and not the flash path's outputs bit for bit (the tiles did serve)."""
-    monkeypatch.setattr(cpu, "PREFILL", "flash")
-    n, bs = 1000, 16
-    lc = make_cache("temporalkv-2bit", D, True, torch.bfloat16, 1, block_size=bs, H=H, GQ=G)
-    g = torch.Generator().manual_seed(6)
-    k, v = torch.randn(n, H, D, generator=g).bfloat16(), torch.randn(n, H, D, generator=g).bfloat16()
-    q = torch.randn(n, H * G, D, generator=g).bfloat16()
-    table = torch.randperm(n // bs + 1, generator=g)
+    n = 1000
     cuts = [0, 8, 9, 40, 41, 101, 161, 168, 200, 256, 257, 300, 333, 393, 430, 490, 550, 610, 670, 730, 790, 850, 910,
             940, 941, n]
     assert all(cpu_flash.short_mask(b - a, a, G, torch.bfloat16) is not None for a, b in zip(cuts[1:], cuts[2:]))
-    runs = {}
-    monkeypatch.setattr(cpu, "AMX_LONG", False)  # (the first chunk, inside the sinks: flash's)
-    for mode, amx in (("kernel", False), ("flash", False), ("flash", True)):
-        monkeypatch.setattr(cpu, "PREFILL", mode)
-        monkeypatch.setattr(cpu, "AMX_SHORT", amx)
-        pages = torch.zeros(len(table), H, lc.layout.bytes, dtype=torch.uint8)
-        out = torch.empty(n, H * G, D, dtype=torch.bfloat16)
-        for a, b in zip(cuts, cuts[1:]):
-            pos = torch.arange(a, b)
-            out[a:b] = cpu.forward(lc, pages, q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), torch.tensor([b]),
-                                   table[None], pos, table[pos // bs], D ** -0.5, batch_invariant=False)
-        runs[mode, amx] = (out, pages)
-    ref = runs["kernel", False][0].float()
-    tol = FLASH_TOL * ref.abs().max().item()
-    for key, (out, pages) in runs.items():
-        assert torch.equal(pages, runs["kernel", False][1]), key
-        assert (out.float() - ref).abs().max().item() <= tol, key
+    runs = _amx_runs(H, G, D, n, 6, cuts, "AMX_SHORT", monkeypatch)  # (the first chunk, inside the sinks: flash's)
     got, flash = runs["flash", True][0], runs["flash", False][0]
     assert torch.equal(got[:8], flash[:8])  # the first chunk (inside the sinks) is not short-path work
     assert not torch.equal(got[8:], flash[8:])
@@ -231,33 +241,11 @@ def test_amx_long_chunks_match_the_kernel(H, G, D, monkeypatch):
     them (its exact keys begin with decoded sink rows), others at and off block boundaries, over up to ~1300 cached
     tokens (several key blocks, the panels' causal ends, padded row pairs) - within bf16 rounding of the C++
     kernel's float32 attention on the same pages, and not flash's outputs bit for bit (the tiles served)."""
-    n, bs = 2001, 16
-    lc = make_cache("temporalkv-2bit", D, True, torch.bfloat16, 1, block_size=bs, H=H, GQ=G)
-    g = torch.Generator().manual_seed(7)
-    k, v = torch.randn(n, H, D, generator=g).bfloat16(), torch.randn(n, H, D, generator=g).bfloat16()
-    q = torch.randn(n, H * G, D, generator=g).bfloat16()
-    table = torch.randperm(n // bs + 1, generator=g)
+    n = 2001
     cuts = [0, 5, 700, 1333, 1340, n]
     long_ = [(a, b) for a, b in zip(cuts, cuts[1:]) if cpu_flash.short_mask(b - a, a, G, torch.bfloat16) is None]
     assert len(long_) >= 3 and long_[0] == (0, 5)
-    runs = {}
-    monkeypatch.setattr(cpu, "AMX_SHORT", False)
-    for mode, amx in (("kernel", False), ("flash", False), ("flash", True)):
-        monkeypatch.setattr(cpu, "PREFILL", mode)
-        monkeypatch.setattr(cpu, "AMX_LONG", amx)
-        pages = torch.zeros(len(table), H, lc.layout.bytes, dtype=torch.uint8)
-        out = torch.empty(n, H * G, D, dtype=torch.bfloat16)
-        for a, b in zip(cuts, cuts[1:]):
-            pos = torch.arange(a, b)
-            out[a:b] = cpu.forward(lc, pages, q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), torch.tensor([b]),
-                                   table[None], pos, table[pos // bs], D ** -0.5, batch_invariant=False)
-        runs[mode, amx] = (out, pages)
-    ref = runs["kernel", False][0].float()
-    tol = FLASH_TOL * ref.abs().max().item()
-    for key, (out, pages) in runs.items():
-        assert torch.equal(pages, runs["kernel", False][1]), key
-        for a, b in zip(cuts, cuts[1:]):  # chunk by chunk: every kind of chunk within bf16 rounding
-            assert (out[a:b].float() - ref[a:b]).abs().max().item() <= tol, (key, a, b)
+    runs = _amx_runs(H, G, D, n, 7, cuts, "AMX_LONG", monkeypatch)
     got, flash = runs["flash", True][0], runs["flash", False][0]
     for a, b in long_[1:]:
         assert not torch.equal(got[a:b], flash[a:b]), (a, b)
