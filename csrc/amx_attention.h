@@ -431,7 +431,10 @@ inline void long_panel(const ChunkArgs& a, const LongShape& s, int h, int64_t p0
   const float c2 = a.scale * 1.44269504088896341f;
   // row r: query u = r / g at p = offset + u, its own block own = p & ~7: decoded [0, own), exact [own, p]
   const auto pos = [&](int r) { return a.offset + std::min(r, R - 1) / g; };
-  const auto own = [&](int r) { return pos(r) & ~int64_t(7); };
+  const auto own = [&](int r) {  // (with a recent window w: exact from w before it; the sinks exact: 0)
+    const int64_t p = pos(r);
+    return p < 8 || p - a.window < 0 ? int64_t(0) : (p - a.window) & ~int64_t(7);
+  };
   const int64_t dec_end = std::min(own(r_end - 1), a.nd);  // the panel's last decoded key + 1
   int lo[32], hi[32];
   for (int64_t k0 = 0; k0 < dec_end; k0 += LONG_KEYS) {  // the decoded keys, a block at a time for every pair
@@ -448,16 +451,18 @@ inline void long_panel(const ChunkArgs& a, const LongShape& s, int h, int64_t p0
                  m + 32 * t, l + 32 * t, O + (size_t)32 * t * D, S, P);
     }
   }
-  for (int t = 0; t < pairs; ++t) {  // each pair's own-block exact keys (exact row j: position x0 + j)
+  for (int t = 0; t < pairs; ++t) {  // each pair's exact keys (exact row j: position x0 + j), a block at a time
     const int r0 = r_begin + 32 * t;
-    const int64_t e0 = (own(r0) - a.x0) & ~int64_t(31), e1 = pos(r0 + 31) - a.x0 + 1;
-    const int nb = (int)((e1 - e0 + 31) / 32 * 32);
-    for (int i = 0; i < 32; ++i) {
-      lo[i] = (int)(own(r0 + i) - a.x0 - e0);
-      hi[i] = r0 + i < r_end ? (int)(pos(r0 + i) - a.x0 + 1 - e0) : 0;
+    const int64_t e1 = pos(r0 + 31) - a.x0 + 1;
+    for (int64_t e0 = (own(r0) - a.x0) & ~int64_t(31); e0 < e1; e0 += LONG_KEYS) {
+      const int nb = (int)std::min<int64_t>(LONG_KEYS, (e1 - e0 + 31) / 32 * 32);
+      for (int i = 0; i < 32; ++i) {
+        lo[i] = (int)std::clamp<int64_t>(own(r0 + i) - a.x0 - e0, 0, nb);
+        hi[i] = r0 + i < r_end ? (int)std::clamp<int64_t>(pos(r0 + i) - a.x0 + 1 - e0, 0, nb) : 0;
+      }
+      long_block(Q + (size_t)r0 * D, D, buf + off[3] + e0 * D / 2, buf + off[4] + e0 * D / 2, nb, lo, hi, c2,
+                 m + 32 * t, l + 32 * t, O + (size_t)32 * t * D, S, P);
     }
-    long_block(Q + (size_t)r0 * D, D, buf + off[3] + e0 * D / 2, buf + off[4] + e0 * D / 2, nb, lo, hi, c2,
-               m + 32 * t, l + 32 * t, O + (size_t)32 * t * D, S, P);
   }
   for (int r = r_begin; r < r_end; ++r) {
     const float* o = O + (size_t)(r - r_begin) * D;

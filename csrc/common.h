@@ -220,6 +220,7 @@ struct ChunkArgs {
   int64_t sx_t, sx_h;
   uint16_t* out;                      // [Tq, Hq, D] bf16: out[u * so_t + hq * so_h + d]
   int64_t so_t, so_h;
+  int64_t window = 0;                 // a recent window: exact from `window` tokens before the own block (long chunks)
 };
 void chunk_head_entry(const ChunkArgs& a, int h);
 // the long-chunk kernel's packed operands per KV head (amx_attention.h long_offsets): rows and keys padded to 32

@@ -920,6 +920,47 @@ bool amx_ready() {
 #endif
 }
 
+// A long chunk's attention on AMX tiles (amx_attention.h long_panel): every KV head's operands packed (one item per
+// head), then panels of rows (the longest first).
+void amx_long(const amx::ChunkArgs& a) {
+  const int64_t H = a.H, R = (int64_t)a.Tq * a.g, panels = (R + amx::LONG_PANEL_ROWS - 1) / amx::LONG_PANEL_ROWS;
+  const amx::LongShape ls{(R + 31) / 32 * 32, (a.nd + 31) / 32 * 32, (a.nx + 31) / 32 * 32, a.D};
+  // (kept between calls: a fresh ~10 MB buffer per layer step page-faults on every first touch)
+  thread_local std::vector<uint32_t> packed;
+  if (packed.size() < (size_t)(ls.words_per_head() * H)) packed.resize(ls.words_per_head() * H);
+  uint32_t* buf = packed.data();
+  parallel_items(H, [&](int64_t h) { amx::long_pack_entry(a, ls, (int)h, buf); });
+  parallel_items(H * panels, [&](int64_t i) { amx::long_panel_entry(a, ls, (int)(i % H), panels - 1 - i / H, buf); });
+}
+
+// ops.cpu.prefill_attention's attention (a chunk's queries over the decoded keys before their exact start and the
+// exact keys from there, one softmax) on AMX tiles, with or without a recent window: where a served chunk's write
+// and gather ran in Python (recent windows, formats the fused call does not encode) and flash would attend.  bf16,
+// head dims 32 .. 128 by 32, amx_ready() (ops.cpu.amx_prefill_ok); kd / vd decoded from position 0 (at least up to
+// the last query's exact start), kx / vx exact from position x0 (the first query's exact start) to offset + Tq - 1.
+void amx_prefill(const at::Tensor& q, const at::Tensor& kd, const at::Tensor& vd, const at::Tensor& kx,
+                 const at::Tensor& vx, int64_t x0, int64_t offset, double scale, at::Tensor& out, int64_t window) {
+  const int64_t Tq = q.size(0), Hq = q.size(1), D = q.size(2), H = kd.size(1), n = offset + Tq;
+  TORCH_CHECK(amx_ready(), "amx_prefill: no AMX tiles here (CPU or OS)");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "amx_prefill: bfloat16 only");
+  TORCH_CHECK(D % 32 == 0 && D <= 128 && H > 0 && Hq % H == 0 && q.stride(2) == 1 && out.stride(2) == 1,
+              "amx_prefill: head dims 32 .. 128 by 32, query heads a multiple of the KV heads, rows contiguous");
+  if (Tq == 0) return;
+  const auto bf = [](const at::Tensor& t) { return t.to(at::kBFloat16).contiguous(); };
+  const at::Tensor kdc = bf(kd), vdc = bf(vd), kxc = bf(kx), vxc = bf(vx);
+  const int64_t last = n - 1 < SINKS || n - 1 - window < 0 ? 0 : (n - 1 - window) / BLOCK * BLOCK;
+  TORCH_CHECK(last <= kdc.size(0) && x0 + kxc.size(0) == n && kxc.size(1) == H,
+              "amx_prefill: decoded rows up to the last query's exact start, exact rows from x0 to the last query");
+  amx::ChunkArgs a{(int)Tq, (int)H, (int)(Hq / H), (int)D, offset, last, x0, kxc.size(0), (float)scale,
+                   reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), q.stride(1),
+                   reinterpret_cast<const uint16_t*>(kdc.data_ptr()), reinterpret_cast<const uint16_t*>(vdc.data_ptr()),
+                   kdc.stride(0), kdc.stride(1),
+                   reinterpret_cast<const uint16_t*>(kxc.data_ptr()), reinterpret_cast<const uint16_t*>(vxc.data_ptr()),
+                   kxc.stride(0), kxc.stride(1),
+                   reinterpret_cast<uint16_t*>(out.data_ptr()), out.stride(0), out.stride(1), window};
+  amx_long(a);
+}
+
 // A prefill chunk's layer step on codebook pages without a recent window, attending on torch's flash kernel
 // (ops.cpu._prefill where use_flash_prefill): write_gather, then cpu_flash.flash_prefill's parts without a window -
 // (a) and (b) in one masked call where the caller passes the mask (a short chunk: cpu_flash._mask), else (a) unmasked
@@ -968,17 +1009,7 @@ void prefill_chunk_flash(const at::Tensor& pages, const at::Tensor& q, const at:
       parallel_items(H, [&](int64_t h) { amx::chunk_head_entry(a, (int)h); });
       return;
     }
-    // a long chunk: every head's operands packed (one item per head), then panels of rows (the longest first)
-    const int64_t R = Tq * g, panels = (R + amx::LONG_PANEL_ROWS - 1) / amx::LONG_PANEL_ROWS;
-    const amx::LongShape ls{(R + 31) / 32 * 32, (a.nd + 31) / 32 * 32, (a.nx + 31) / 32 * 32, (int)D};
-    // (kept between calls: a fresh ~10 MB buffer per layer step page-faults on every first touch)
-    thread_local std::vector<uint32_t> packed;
-    if (packed.size() < (size_t)(ls.words_per_head() * H)) packed.resize(ls.words_per_head() * H);
-    uint32_t* buf = packed.data();
-    parallel_items(H, [&](int64_t h) { amx::long_pack_entry(a, ls, (int)h, buf); });
-    parallel_items(H * panels, [&](int64_t i) {
-      amx::long_panel_entry(a, ls, (int)(i % H), panels - 1 - i / H, buf);
-    });
+    amx_long(a);
     return;
   }
   std::vector<at::Tensor> po, pl;
@@ -1060,10 +1091,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_chunk", &tkv::prefill_chunk, py::call_guard<py::gil_scoped_release>());
   m.def("prefill_chunk_flash", &tkv::prefill_chunk_flash, py::call_guard<py::gil_scoped_release>());
   m.def("window_merge", &tkv::window_merge, py::call_guard<py::gil_scoped_release>());
+  m.def("amx_prefill", &tkv::amx_prefill, py::call_guard<py::gil_scoped_release>());
   m.def("amx_ready", &tkv::amx_ready, "whether the AMX prefill-chunk attention runs here (CPU and OS)");
   m.def("bf16_dot", &tkv::bf16_dot, "whether prefill_attention takes bf16 scores here (avx512 + AVX512_BF16)");
   m.attr("TILE") = tkv::TILE;  // the prefill kernel's key tiles
   m.attr("DECODE_TILE") = tkv::DTILE;
   // bumped whenever an op's arguments change: ops/cpu.py refuses (and says so) a stale build
-  m.attr("ABI_VERSION") = 19;
+  m.attr("ABI_VERSION") = 20;
 }

@@ -182,13 +182,12 @@ def test_fused_flash_chunk_is_the_python_composition(gqa, monkeypatch):
     assert torch.equal(runs[0][0], runs[1][0])
 
 
-def _amx_runs(H, G, D, n, seed, cuts, switch, monkeypatch):
+def _amx_runs(H, G, D, n, seed, cuts, switch, monkeypatch, fmt="temporalkv-2bit", window=None, bs=16):
     """A prompt of n tokens served through ops.cpu.forward at the cuts, by the C++ kernel, by the flash path with
     the AMX kernel named by ``switch`` (ops.cpu.AMX_SHORT / AMX_LONG; the other one off) off, and with it on:
     {(mode, on): (outputs, pages)}; asserts the pages bit-identical and every chunk's outputs within bf16 rounding
     of the C++ kernel's float32 attention."""
-    bs = 16
-    lc = make_cache("temporalkv-2bit", D, True, torch.bfloat16, 1, block_size=bs, H=H, GQ=G)
+    lc = make_cache(fmt, D, fmt.startswith("temporalkv"), torch.bfloat16, 1, block_size=bs, H=H, GQ=G, window=window)
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(n, H, D, generator=g).bfloat16(), torch.randn(n, H, D, generator=g).bfloat16()
     q = torch.randn(n, H * G, D, generator=g).bfloat16()
@@ -248,6 +247,23 @@ def test_amx_long_chunks_match_the_kernel(H, G, D, monkeypatch):
     runs = _amx_runs(H, G, D, n, 7, cuts, "AMX_LONG", monkeypatch)
     got, flash = runs["flash", True][0], runs["flash", False][0]
     for a, b in long_[1:]:
+        assert not torch.equal(got[a:b], flash[a:b]), (a, b)
+
+
+@pytest.mark.skipif(not (cpu.available() and cpu._C.amx_ready()), reason="no AMX tiles here (CPU or OS)")
+@pytest.mark.parametrize("fmt,window,D", [("temporalkv-2bit", 32, 64), ("selective-int4", None, 128),
+                                          ("tada-4bit", None, 64), ("qjl", None, 96)])
+def test_amx_serves_recent_windows(fmt, window, D, monkeypatch):
+    """Chunks whose write and gather run in Python and would attend on flash (a recent window: the codebook formats'
+    option, the calibration-free formats' default of 128) on the AMX long-chunk kernel instead (_C.amx_prefill, each
+    query exact from its window's start): a 1500-token prompt in chunks of 3 to ~700 queries, inside the sinks, inside
+    the first window and past it - within bf16 rounding of the C++ kernel's float32 attention, pages bit-identical,
+    not flash's outputs bit for bit."""
+    n = 1500
+    cuts = [0, 3, 61, 200, 203, 900, n]
+    runs = _amx_runs(2, 3, D, n, 8, cuts, "AMX_LONG", monkeypatch, fmt=fmt, window=window, bs=256)
+    got, flash = runs["flash", True][0], runs["flash", False][0]
+    for a, b in zip(cuts[1:], cuts[2:]):
         assert not torch.equal(got[a:b], flash[a:b]), (a, b)
 
 

@@ -43,7 +43,8 @@ variant (default: the best the CPU has); ``VLLM_TEMPORALKV_CPU_JIT=1`` compiles 
 for a bf16 model on a CPU with AMX unless VLLM_TEMPORALKV_CPU_EXACT=1 (``use_flash_prefill``).
 ``VLLM_TEMPORALKV_CPU_AMX_SHORT=0`` keeps a short chunk (a prefix-cache hit's new tokens: ``cpu_flash.short_mask``) on
 flash and the merge instead of the AMX tile kernel (csrc/amx_attention.h) where the flash path serves;
-``VLLM_TEMPORALKV_CPU_AMX_LONG=0`` likewise a long chunk (a prompt's prefill chunks: the flash-style tile kernel).
+``VLLM_TEMPORALKV_CPU_AMX_LONG=0`` likewise a long chunk (a prompt's prefill chunks: the flash-style tile kernel), and
+every chunk of a recent window's formats (``amx_prefill_ok``), which the same kernel serves.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ from .cpu_flash import _flash_gqa, flash_prefill, register_window_merge, short_m
 
 logger = logging.getLogger("vllm.temporalkv")
 
-ABI_VERSION = 19  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
+ABI_VERSION = 20  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
 # split-K: every request's context is cut at the same tile boundaries whatever the batch, so its output does
 # not depend on which requests share the step (a batch-dependent split count changed float32 rounding, and a
 # 2-bit cache amplifies that through the codes of later tokens: benchmarks/stress.py).  Long splits cost less
@@ -706,10 +707,21 @@ def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: floa
                  (exact[0], torch.full((nq,), exact[1], dtype=torch.long), torch.full((nq,), exact[2], dtype=torch.long)))
     kg, vg = gather_kv(lc, pages, table, m, exact=exact)
     kx, vx = (torch.cat([kg[x:e0], ke]), torch.cat([vg[x:e0], ve])) if e0 > x else (ke, ve)
-    if flash:
+    if flash and amx_prefill_ok(q, out):  # on AMX tiles (a recent window, or a format the fused call skips)
+        _C.amx_prefill(q, kg, vg, kx, vx, x, ctx, float(scale), out, w)
+    elif flash:
         flash_prefill(q, kg, vg, kx, vx, x, ctx, scale, out, window=w)
     else:
         prefill_attention(q, kg, vg, kx, vx, x, ctx, scale, out, window=w)
+
+
+def amx_prefill_ok(q: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether a chunk that would attend on flash in Python (``flash_prefill``: recent windows, formats the fused
+    C++ call does not encode) attends on the AMX long-chunk kernel instead (``_C.amx_prefill``): ``AMX_LONG``
+    (VLLM_TEMPORALKV_CPU_AMX_LONG), bf16, head dims 32 .. 128 by 32, AMX tiles granted (``_C.amx_ready``)."""
+    D = q.shape[-1]
+    return (AMX_LONG and q.dtype == torch.bfloat16 and D % 32 == 0 and D <= 128 and q.stride(-1) == 1
+            and out.stride(-1) == 1 and _C.amx_ready())
 
 
 def use_flash_prefill(dtype: torch.dtype) -> bool:
