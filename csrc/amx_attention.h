@@ -429,12 +429,9 @@ inline void long_panel(const ChunkArgs& a, const LongShape& s, int h, int64_t p0
   std::memset(O, 0, (size_t)pairs * 32 * D * 4);
   for (int r = 0; r < pairs * 32; ++r) m[r] = -__builtin_inff(), l[r] = 0.f;
   const float c2 = a.scale * 1.44269504088896341f;
-  // row r: query u = r / g at p = offset + u, its own block own = p & ~7: decoded [0, own), exact [own, p]
+  // row r: query u = r / g at p = offset + u, exact from own = exact_start(p, window): decoded [0, own), exact [own, p]
   const auto pos = [&](int r) { return a.offset + std::min(r, R - 1) / g; };
-  const auto own = [&](int r) {  // (with a recent window w: exact from w before it; the sinks exact: 0)
-    const int64_t p = pos(r);
-    return p < 8 || p - a.window < 0 ? int64_t(0) : (p - a.window) & ~int64_t(7);
-  };
+  const auto own = [&](int r) { return exact_start(pos(r), (int)a.window); };  // (common.h: windows, sinks)
   const int64_t dec_end = std::min(own(r_end - 1), a.nd);  // the panel's last decoded key + 1
   int lo[32], hi[32];
   for (int64_t k0 = 0; k0 < dec_end; k0 += LONG_KEYS) {  // the decoded keys, a block at a time for every pair

@@ -948,7 +948,7 @@ void amx_prefill(const at::Tensor& q, const at::Tensor& kd, const at::Tensor& vd
   if (Tq == 0) return;
   const auto bf = [](const at::Tensor& t) { return t.to(at::kBFloat16).contiguous(); };
   const at::Tensor kdc = bf(kd), vdc = bf(vd), kxc = bf(kx), vxc = bf(vx);
-  const int64_t last = n - 1 < SINKS || n - 1 - window < 0 ? 0 : (n - 1 - window) / BLOCK * BLOCK;
+  const int64_t last = exact_start(n - 1, (int)window);
   TORCH_CHECK(last <= kdc.size(0) && x0 + kxc.size(0) == n && kxc.size(1) == H,
               "amx_prefill: decoded rows up to the last query's exact start, exact rows from x0 to the last query");
   amx::ChunkArgs a{(int)Tq, (int)H, (int)(Hq / H), (int)D, offset, last, x0, kxc.size(0), (float)scale,
