@@ -323,6 +323,29 @@ inline vf crow(const uint16_t* cb, int64_t gstride, const uint8_t* row, int c0) 
 #endif
 }
 
+#if TKV_W == 16
+// W channels of one token's channel codes (crow's values) from its groups' tables T[0 .. W / L) (byte pointers,
+// hoisted out of the token loop by the caller) and its codes row[0 .. W / L)
+template <int L>
+inline __m256i crow16(const char* const* T, const uint8_t* row) {
+  if (L == 8)
+    return _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(T[0] + (size_t)row[0] * 16))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(T[1] + (size_t)row[1] * 16)), 1);
+  if (L == 4) {
+    const __m128i lo = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(T[0] + (size_t)row[0] * 8)),
+                                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(T[1] + (size_t)row[1] * 8)));
+    const __m128i hi = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(T[2] + (size_t)row[2] * 8)),
+                                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(T[3] + (size_t)row[3] * 8)));
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+  }
+  int32_t w[8];
+  for (int e = 0; e < 8; ++e) __builtin_memcpy(w + e, T[e] + (size_t)row[e] * 4, 4);
+  return _mm256_setr_epi32(w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]);
+}
+
+#endif
+
 // ---- codes -> normalized values of one block (8 tokens, one KV head) ----------------------------
 
 template <int L, class T>
@@ -1066,12 +1089,22 @@ inline void pv_channel_z(float* acc, int64_t astride, const float* p, const uint
     vf a[GB][CH];
     for (int i = 0; i < GB; ++i)
       for (int k = 0; k < CH; ++k) a[i][k] = vload(acc + i * astride + c0 + k * W);
+#if TKV_W == 16
+    // the CH x W / L groups' tables, hoisted out of the token loop (crow recomputed them per token: ~10% of a call)
+    const char* T[CH][W / L];
+    for (int k = 0; k < CH; ++k)
+      for (int e = 0; e < W / L; ++e) T[k][e] = reinterpret_cast<const char*>(cb + ((c0 + k * W) / L + e) * gstride);
+#endif
     for (int b = b0; b < b1; ++b) {
       const uint8_t* row = bc[b];
       const float* pb = p + b * BLOCK;
       for (int t = 0; t < BLOCK; ++t, row += G) {
         vf z[CH];
+#if TKV_W == 16
+        for (int k = 0; k < CH; ++k) z[k] = (vf)_mm512_cvtph_ps(crow16<L>(T[k], row + (c0 + k * W) / L));
+#else
         for (int k = 0; k < CH; ++k) z[k] = crow<L>(cb, gstride, row, c0 + k * W);
+#endif
         for (int i = 0; i < GB; ++i) {
           const vf w = vbc(pb[i * DTILE + t]);
           for (int k = 0; k < CH; ++k) a[i][k] = vfma(w, z[k], a[i][k]);
@@ -1227,6 +1260,89 @@ inline void ktile_channel_fast(float* KT, const uint8_t* const* kc, const uint16
     }
   }
   for (int b = 0; b < DTILE / BLOCK; ++b) rows_to_cols(tmp + b * BLOCK * D, D, KT + b * BLOCK, DTILE, D);
+}
+
+#if TKV_W == 16
+// out[u] = the sum of p[u]'s 16 lanes, for 16 vectors at once (a transpose-and-add tree: 45 vector ops)
+inline vf hsum16(const vf* p) {
+  __m512 a[8], b[4];
+  for (int k = 0; k < 8; ++k) {
+    const __m512 x = (__m512)p[2 * k], y = (__m512)p[2 * k + 1];
+    a[k] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512d x = _mm512_castps_pd(a[2 * m]), y = _mm512_castps_pd(a[2 * m + 1]);
+    b[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return (vf)_mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// ktile_channel_fast and qk_tile without the transposes (AVX-512): per 16 tokens their rows decoded, denormalized
+// and rotated (rows [16][D]), then per query head each row's products with the query summed over channels to one
+// vector, and the 16 vectors reduced to the 16 scores at once (hsum16).  The 8 x 8 transposes into KT and the
+// column dot products cost ~2.5x this on SmolLM2's shape (the hybrid artifact's channel-chunked K: most layers).
+template <int L, int DC, class Codes>
+inline void kqk_channel_fast(float* sc, const float* qr, int g, Codes kc, const uint16_t* cb, int64_t gstride,
+                             int D_, const float* kstd, const float* kmean, const float* rcos, const float* rsin,
+                             float* rows) {
+  const int D = DC ? DC : D_;
+  const int HD = D / 2, G = D / L;
+  constexpr int NG = W / L;  // channel groups per W channels
+  for (int t0 = 0; t0 < DTILE; t0 += W) {
+    for (int c = 0; c < HD; c += W) {
+      const vf sd0 = vload(kstd + c), mn0 = vload(kmean + c), sd1 = vload(kstd + c + HD), mn1 = vload(kmean + c + HD);
+      const char* T0[NG];
+      const char* T1[NG];
+      for (int e = 0; e < NG; ++e) {
+        T0[e] = reinterpret_cast<const char*>(cb + (c / L + e) * gstride);
+        T1[e] = reinterpret_cast<const char*>(cb + ((c + HD) / L + e) * gstride);
+      }
+      for (int u = 0; u < W; ++u) {
+        const int t = t0 + u;
+        const uint8_t* row = kc(t / BLOCK) + (t % BLOCK) * G;
+        const vf k0 = vfma((vf)_mm512_cvtph_ps(crow16<L>(T0, row + c / L)), sd0, mn0);
+        const vf k1 = vfma((vf)_mm512_cvtph_ps(crow16<L>(T1, row + (c + HD) / L)), sd1, mn1);
+        const vf cc = vload(rcos + t * HD + c), ss = vload(rsin + t * HD + c);
+        vstore(rows + u * D + c, vfma(k0, cc, -(k1 * ss)));
+        vstore(rows + u * D + c + HD, vfma(k1, cc, k0 * ss));
+      }
+    }
+    for (int i = 0; i < g; ++i) {
+      const float* qi = qr + i * D;
+      vf p[W];
+      for (int u = 0; u < W; ++u) {
+        vf acc = vload(qi) * vload(rows + u * D);
+        for (int c = W; c < D; c += W) acc = vfma(vload(qi + c), vload(rows + u * D + c), acc);
+        p[u] = acc;
+      }
+      vstore(sc + i * DTILE + t0, hsum16(p));
+    }
+  }
+}
+#endif
+
+// K and the scores of a tile of channel codes kc (kqk_channel_fast, BlockRun where it can): true where it serves
+template <int L, int DT>
+inline bool kscores_channel_tile(float* sc, const float* qr, int g, const uint8_t* const* kc, const uint16_t* cb,
+                                 int64_t gstride, int D, const float* kstd, const float* kmean, const float* rcos,
+                                 const float* rsin, float* rows) {
+#if TKV_W == 16
+  if (DT && tile_run(kc, (BLOCK / L) * D))
+    kqk_channel_fast<L, DT>(sc, qr, g, BlockRun<(BLOCK / L) * DT>{kc[0]}, cb, gstride, D, kstd, kmean, rcos, rsin,
+                            rows);
+  else
+    kqk_channel_fast<L, DT>(sc, qr, g, BlockPtrs{kc}, cb, gstride, D, kstd, kmean, rcos, rsin, rows);
+  return true;
+#else
+  (void)sc, (void)qr, (void)g, (void)kc, (void)cb, (void)gstride, (void)D, (void)kstd, (void)kmean, (void)rcos,
+      (void)rsin, (void)rows;
+  return false;
+#endif
 }
 
 // Partial state per query head in DecodeArgs::part: [m, lz, lx, pad, accz[D], accx[D]]: running max,
@@ -1465,10 +1581,19 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
         } else {
           const float* rsin = rcos + DTILE * HD;
           float* rows = rcos + 2 * DTILE * HD;
+          rotate_q(tile);
+          rotated = true;
           switch (K.chunk) {
-            case 2: ktile_channel_fast<2>(KT, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
-            case 4: ktile_channel_fast<4>(KT, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
-            default: ktile_channel_fast<8>(KT, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
+            case 2: scored = kscores_channel_tile<2, DT>(sc, qr, g, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
+            case 4: scored = kscores_channel_tile<4, DT>(sc, qr, g, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
+            default: scored = kscores_channel_tile<8, DT>(sc, qr, g, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
+          }
+          if (!scored) {
+            switch (K.chunk) {
+              case 2: ktile_channel_fast<2>(KT, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
+              case 4: ktile_channel_fast<4>(KT, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
+              default: ktile_channel_fast<8>(KT, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
+            }
           }
         }
       }
