@@ -1326,6 +1326,36 @@ inline void kqk_channel_fast(float* sc, const float* qr, int g, Codes kc, const 
 }
 #endif
 
+#if TKV_W == 16
+// The scores of 16 decoded rows rows[u][D] (u < 16; t0: their first token's offset in the tile), rotated here by
+// their offsets (rcos/rsin: dcos/dsin as rows) in place: per query head each row's products summed over channels to
+// one vector, the 16 reduced at once (hsum16) - for keys decoded as rows (selective, TaDA), whose transposes into
+// KT and column dot products cost more than this
+inline void row_scores16(float* sc, const float* qr, int g, int D, int t0, float* rows, const float* rcos,
+                         const float* rsin) {
+  const int HD = D / 2;
+  for (int u = 0; u < W; ++u) {
+    float* r = rows + u * D;
+    const int t = t0 + u;
+    for (int c = 0; c < HD; c += W) {
+      const vf k0 = vload(r + c), k1 = vload(r + c + HD), cc = vload(rcos + t * HD + c), ss = vload(rsin + t * HD + c);
+      vstore(r + c, vfma(k0, cc, -(k1 * ss)));
+      vstore(r + c + HD, vfma(k1, cc, k0 * ss));
+    }
+  }
+  for (int i = 0; i < g; ++i) {
+    const float* qi = qr + i * D;
+    vf p[W];
+    for (int u = 0; u < W; ++u) {
+      vf acc = vload(qi) * vload(rows + u * D);
+      for (int c = W; c < D; c += W) acc = vfma(vload(qi + c), vload(rows + u * D + c), acc);
+      p[u] = acc;
+    }
+    vstore(sc + i * DTILE + t0, hsum16(p));
+  }
+}
+#endif
+
 // K and the scores of a tile of channel codes kc (kqk_channel_fast, BlockRun where it can): true where it serves
 template <int L, int DT>
 inline bool kscores_channel_tile(float* sc, const float* qr, int g, const uint8_t* const* kc, const uint16_t* cb,
@@ -1399,8 +1429,11 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
   const bool fast_k = !a.exact && a.k.method == TEMPORAL && L.cap == 0;
   // channel-chunked K, fast: decoded, denormalized and rotated row by row (ktile_channel_fast)
   const bool fast_kc = !a.exact && a.k.method == CHANNEL && L.cap == 0 && HD % W == 0 && HD % BLOCK == 0;
+  // keys decoded as rows (selective, TaDA: raw values, std 1 and mean 0), scored from the rows (row_scores16)
+  const bool rows_k = TKV_W == 16 && !a.exact && (a.k.method == SCALED || a.k.method == TADA) && L.cap == 0 &&
+                      HD % W == 0 && HD % BLOCK == 0;
   float* rcos = nullptr;  // dcos/dsin as rows [DTILE][HD]: the row rotation's factors
-  if (fast_kc) {
+  if (fast_kc || rows_k) {
     rcos = static_cast<float*>(__builtin_alloca(sizeof(float) * (2 * DTILE * HD + DTILE * D)));  // + the rows
     for (int t = 0; t < DTILE; t += BLOCK) {
       cols_to_rows(a.dcos + t, DTILE, rcos + t * HD, HD, HD);
@@ -1597,7 +1630,26 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
           }
         }
       }
-      for (int b = 0; b < (fast_k || fast_kc ? 0 : DTILE / BLOCK); ++b) {
+#if TKV_W == 16
+      if (rows_k) {  // the tile's rows, then their scores 16 rows at a time
+        rotate_q(tile);
+        rotated = true;
+        float* R = rcos + 2 * DTILE * HD;
+        for (int b = 0; b < DTILE / BLOCK; ++b) {
+          const int c0 = b * BLOCK;
+          if (c0 < v0 || c0 >= v1) {  // (finite values whose softmax weights are exactly 0)
+            for (int i = 0; i < BLOCK * D; ++i) R[c0 * D + i] = 0.f;
+            continue;
+          }
+          const int tok = t0 + c0;
+          decode_block_at(K, L, h, record(a.pages, L, btr[tok / bs], h), (tok % bs) / BLOCK, R + c0 * D, D, false,
+                          tmp, true);
+        }
+        for (int u0 = 0; u0 < DTILE; u0 += W) row_scores16(sc, qr, g, D, u0, R + u0 * D, rcos, rcos + DTILE * HD);
+        scored = true;
+      }
+#endif
+      for (int b = 0; b < (fast_k || fast_kc || rows_k ? 0 : DTILE / BLOCK); ++b) {
         const int c0 = b * BLOCK;
         if (c0 < v0 || c0 >= v1) {
           for (int c = 0; c < D; ++c)
@@ -1652,7 +1704,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
       }
       } else {  // faster: rotate by the offset in the tile only; the queries are rotated back by t0
         if (!rotated) rotate_q(tile);
-        for (int c = 0; c < (fast_k || fast_kc ? 0 : HD); ++c) {  // (fast_k, fast_kc: rotated as decoded)
+        for (int c = 0; c < (fast_k || fast_kc || scored ? 0 : HD); ++c) {  // (fast_k, fast_kc: rotated as decoded)
           float* x0 = KT + c * DTILE;
           float* x1 = KT + (c + HD) * DTILE;
           const float* dc = a.dcos + c * DTILE;
