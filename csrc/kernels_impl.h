@@ -1282,6 +1282,21 @@ inline vf hsum16(const vf* p) {
                            _mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// sc[i][t0 + u] = <qr[i], rows[u]> for 16 decoded, rotated rows [16][D] and every query head: each row's products
+// summed over channels to one vector, the 16 vectors reduced at once (hsum16)
+inline void rows_dot16(float* sc, const float* qr, int g, int D, int t0, const float* rows) {
+  for (int i = 0; i < g; ++i) {
+    const float* qi = qr + i * D;
+    vf p[W];
+    for (int u = 0; u < W; ++u) {
+      vf acc = vload(qi) * vload(rows + u * D);
+      for (int c = W; c < D; c += W) acc = vfma(vload(qi + c), vload(rows + u * D + c), acc);
+      p[u] = acc;
+    }
+    vstore(sc + i * DTILE + t0, hsum16(p));
+  }
+}
+
 // ktile_channel_fast and qk_tile without the transposes (AVX-512): per 16 tokens their rows decoded, denormalized
 // and rotated (rows [16][D]), then per query head each row's products with the query summed over channels to one
 // vector, and the 16 vectors reduced to the 16 scores at once (hsum16).  The 8 x 8 transposes into KT and the
@@ -1312,16 +1327,7 @@ inline void kqk_channel_fast(float* sc, const float* qr, int g, Codes kc, const 
         vstore(rows + u * D + c + HD, vfma(k1, cc, k0 * ss));
       }
     }
-    for (int i = 0; i < g; ++i) {
-      const float* qi = qr + i * D;
-      vf p[W];
-      for (int u = 0; u < W; ++u) {
-        vf acc = vload(qi) * vload(rows + u * D);
-        for (int c = W; c < D; c += W) acc = vfma(vload(qi + c), vload(rows + u * D + c), acc);
-        p[u] = acc;
-      }
-      vstore(sc + i * DTILE + t0, hsum16(p));
-    }
+    rows_dot16(sc, qr, g, D, t0, rows);
   }
 }
 #endif
@@ -1343,16 +1349,7 @@ inline void row_scores16(float* sc, const float* qr, int g, int D, int t0, float
       vstore(r + c + HD, vfma(k1, cc, k0 * ss));
     }
   }
-  for (int i = 0; i < g; ++i) {
-    const float* qi = qr + i * D;
-    vf p[W];
-    for (int u = 0; u < W; ++u) {
-      vf acc = vload(qi) * vload(rows + u * D);
-      for (int c = W; c < D; c += W) acc = vfma(vload(qi + c), vload(rows + u * D + c), acc);
-      p[u] = acc;
-    }
-    vstore(sc + i * DTILE + t0, hsum16(p));
-  }
+  rows_dot16(sc, qr, g, D, t0, rows);
 }
 #endif
 
