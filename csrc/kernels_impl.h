@@ -1587,15 +1587,14 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
       }
     } else {
       // K: decode the tile's blocks into columns, denormalize, outliers, rotate by the offset
-      bool scored = false, rotated = false;  // the scores already in sc (fast temporal K: kqk_fast); qr rotated
+      bool scored = false;  // the scores already in sc (kqk_fast, kqk_channel_fast, row_scores16)
+      if (!a.exact) rotate_q(tile);  // (the fast decode's fused scores take the rotated queries)
       if (fast_k || fast_kc) {
         const uint8_t* kc[DTILE / BLOCK];
         tile_codes(K, t0, v0, v1, kc);
         const int64_t gs = (int64_t)K.kc * K.chunk;
         const uint16_t* gb0 = K.cent16 + (int64_t)h * (D / K.chunk) * gs;  // the head's first group's centroids
         if (fast_k) {
-          rotate_q(tile);
-          rotated = true;
           switch (K.chunk) {
             case 2: scored = kscores_fast_tile<2, DT>(KT, sc, qr, g, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
             case 4: scored = kscores_fast_tile<4, DT>(KT, sc, qr, g, kc, gb0, gs, D, kstd, kmean, a.dcos, a.dsin); break;
@@ -1611,8 +1610,6 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
         } else {
           const float* rsin = rcos + DTILE * HD;
           float* rows = rcos + 2 * DTILE * HD;
-          rotate_q(tile);
-          rotated = true;
           switch (K.chunk) {
             case 2: scored = kscores_channel_tile<2, DT>(sc, qr, g, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
             case 4: scored = kscores_channel_tile<4, DT>(sc, qr, g, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
@@ -1629,8 +1626,6 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
       }
 #if TKV_W == 16
       if (rows_k) {  // the tile's rows, then their scores 16 rows at a time
-        rotate_q(tile);
-        rotated = true;
         float* R = rcos + 2 * DTILE * HD;
         for (int b = 0; b < DTILE / BLOCK; ++b) {
           const int c0 = b * BLOCK;
@@ -1700,7 +1695,6 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
         }
       }
       } else {  // faster: rotate by the offset in the tile only; the queries are rotated back by t0
-        if (!rotated) rotate_q(tile);
         for (int c = 0; c < (fast_k || fast_kc || scored ? 0 : HD); ++c) {  // (fast_k, fast_kc: rotated as decoded)
           float* x0 = KT + c * DTILE;
           float* x1 = KT + (c + HD) * DTILE;
