@@ -2422,6 +2422,132 @@ inline void encode_tada_rows(const Codec& cd, const Layout& L, int h, const floa
   }
 }
 
+// ---- QJL (seed 002): its keys' sign sketches and its values' affine codes -------------------------
+// AFFINE (QJLValueQuantizer / encode_values), rows X [8][D]: per token and group of cd.group channels, min and
+// (max - min) / qmax in float32 rounded to fp16, codes round((x - min) / scale) (half to even) clamped to 0 .. qmax,
+// 0 where the stored scale is 0 (a constant group decodes to its min); the scales then the mins per token, as TaDA's
+inline void encode_affine_rows(const Codec& cd, const Layout& L, const float* X, uint8_t* rec, int slot) {
+  const int D = L.D, G = D / cd.group, qmax = (1 << cd.bits) - 1, rowb = D * cd.bits / 8;
+  uint8_t* out = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
+  uint16_t* par = reinterpret_cast<uint16_t*>(rec + cd.scales_off) + (int64_t)slot * BLOCK * 2 * G;
+  alignas(64) int code[MAX_D];
+  for (int t = 0; t < BLOCK; ++t) {
+    const float* x = X + (int64_t)t * D;
+    for (int gi = 0; gi < G; ++gi) {
+      const float* d = x + gi * cd.group;
+      vf lo = vload(d), hi = lo;
+      for (int c = W; c < cd.group; c += W) {
+        lo = vmin(lo, vload(d + c));
+        hi = vmax(hi, vload(d + c));
+      }
+      float l = lo[0], u = hi[0];
+      for (int e = 1; e < W; ++e) {
+        l = lo[e] < l ? lo[e] : l;
+        u = hi[e] > u ? hi[e] : u;
+      }
+      const uint16_t sc16 = f32_to_fp16((u - l) / (float)qmax), mn16 = f32_to_fp16(l);
+      par[t * 2 * G + gi] = sc16;
+      par[t * 2 * G + G + gi] = mn16;
+      const float sf = fp16_to_f32(sc16);
+      const bool live = sf > 0.f;
+      const vf s = vbc(live ? sf : 1.f), mv = vbc(fp16_to_f32(mn16));
+      for (int c = 0; c < cd.group; c += W) {
+        vi q = __builtin_convertvector(vclamp(vrint_small((vload(d + c) - mv) / s), 0.f, (float)qmax), vi);
+        if (!live) q = vi{};
+        __builtin_memcpy(code + gi * cd.group + c, &q, sizeof q);
+      }
+    }
+    pack_row(code, D, cd.bits, out + t * rowb);
+  }
+}
+
+// sign bits of the rows 0 .. rows - 1 of S (S^T [D][ld]) times 8 vectors x_t restricted to the channels
+// ch[0 .. nch - 1] (the others zero), row t at bits + t * rows / 8 (bit j of byte i: sketch row 8i + j, 1 =
+// positive), nrm[t] >= ||x_t restricted||.
+// The contract (codecs/qjl.py encode_keys) is the sign of the float64 product, whose products of float32s are exact
+// and whose sum rounds at 2^-53: the sign of the exact sum unless it is within ~D 2^-53 ||S_j|| ||x|| of 0.  The
+// float32 screen's sum is within gamma(2n) ||S_j|| ||x|| of it (n products and sums, fused or not); a lane farther
+// from 0 than twice that keeps its float32 sign, the others (~1e-4 of them) are summed again in float64.
+inline void qjl_sign_rows(const float* ST, int ld, int rows, const float* X, int D, const int* ch, int nch,
+                          float smax, const float* nrm, uint8_t* bits) {
+  const float g2n = 2.f * nch * 0x1p-24f / (1.f - 2.f * nch * 0x1p-24f);
+  float thr[BLOCK];
+  for (int t = 0; t < BLOCK; ++t) thr[t] = 2.f * g2n * smax * nrm[t] + 1e-30f;
+  for (int j0 = 0; j0 < rows; j0 += W) {
+    vf acc[BLOCK];
+    for (int t = 0; t < BLOCK; ++t) acc[t] = vbc(0.f);
+    for (int i = 0; i < nch; ++i) {
+      const int c = ch[i];
+      const vf s = vload(ST + (int64_t)c * ld + j0);
+      for (int t = 0; t < BLOCK; ++t) acc[t] = vfma(vbc(X[t * D + c]), s, acc[t]);
+    }
+    for (int t = 0; t < BLOCK; ++t) {
+      unsigned pos = le_mask(vbc(thr[t]), acc[t]);
+      const unsigned open = ~(pos | le_mask(vbc(thr[t]), -acc[t])) & ((1u << W) - 1);
+      for (unsigned o = open; o; o &= o - 1) {  // near 0 (or not finite): the float64 sum decides
+        const int j = j0 + __builtin_ctz(o);
+        double p = 0.0;
+        for (int i = 0; i < nch; ++i) p += (double)ST[(int64_t)ch[i] * ld + j] * X[t * D + ch[i]];
+        if (p > 0.0) pos |= 1u << (j - j0);
+      }
+      uint8_t* row = bits + t * (rows / 8);
+      if (W >= 8) {
+        for (int b = 0; b < W / 8; ++b) row[j0 / 8 + b] = (uint8_t)(pos >> (8 * b));
+      } else {
+        const int sh = j0 % 8;
+        row[j0 / 8] = (uint8_t)((sh ? row[j0 / 8] & ((1u << sh) - 1) : 0) | (pos << sh));
+      }
+    }
+  }
+}
+
+// QJL keys (QJLKeyQuantizer.encode, encode_keys' float64 contract), post-RoPE rows X [8][D]: the block's
+// QJL_OUTLIERS channels of largest sum of squares over its 8 tokens (largest first, ties to the lower channel, NaN
+// first: torch's stable descending sort), per token the signs of S k_in and S_o k_out, ||k|| and ||k_out|| (float64,
+// rounded to float32, then fp16), in the layout QjlBlock reads
+inline void encode_qjl_rows(const Codec& cd, const Layout& L, const float* X, uint8_t* rec, int slot) {
+  const int D = L.D, m = cd.chunk, mo = cd.kc;
+  uint8_t* blk = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
+  uint8_t* in_bits = blk;
+  uint8_t* out_bits = blk + BLOCK * (m / 8);
+  uint8_t* nrm = out_bits + BLOCK * (mo / 8);
+  uint8_t* oc = nrm + BLOCK * 4;
+  double sq[MAX_D];
+  for (int c = 0; c < D; ++c) {
+    double s = 0.0;
+    for (int t = 0; t < BLOCK; ++t) s += (double)X[t * D + c] * X[t * D + c];
+    sq[c] = s;
+  }
+  bool is_out[MAX_D] = {};
+  int chan_out[QJL_OUTLIERS], chan_in[MAX_D], nin = 0;
+  for (int o = 0; o < QJL_OUTLIERS; ++o) {
+    int best = -1;
+    for (int c = 0; c < D; ++c) {
+      if (is_out[c]) continue;
+      if (best < 0 || sq[c] > sq[best] || (sq[c] != sq[c] && sq[best] == sq[best])) best = c;
+    }
+    is_out[best] = true;
+    chan_out[o] = best;
+    oc[o] = (uint8_t)best;
+  }
+  for (int c = 0; c < D; ++c)
+    if (!is_out[c]) chan_in[nin++] = c;
+  float n_in[BLOCK], n_out[BLOCK];
+  for (int t = 0; t < BLOCK; ++t) {
+    const float* x = X + t * D;
+    double all = 0.0, out = 0.0;
+    for (int c = 0; c < D; ++c) all += (double)x[c] * x[c];
+    for (int o = 0; o < QJL_OUTLIERS; ++o) out += (double)x[chan_out[o]] * x[chan_out[o]];
+    const uint16_t h[2] = {f32_to_fp16((float)__builtin_sqrt(all)), f32_to_fp16((float)__builtin_sqrt(out))};
+    __builtin_memcpy(nrm + 4 * t, h, 4);
+    // the screen's bounds: the restricted norms, generously rounded up (a factor 2 to spare in the threshold)
+    n_in[t] = (float)__builtin_sqrt(all > out ? all - out : 0.0) * 1.001f;
+    n_out[t] = (float)__builtin_sqrt(out) * 1.001f;
+  }
+  qjl_sign_rows(cd.cent, m, m, X, D, chan_in, nin, cd.smax, n_in, in_bits);  // S k_in
+  qjl_sign_rows(cd.cent, m, mo, X, D, chan_out, QJL_OUTLIERS, cd.smax, n_out, out_bits);  // S_o k_out
+}
+
 // One (block, KV head) to encode (EncodeArgs::blocks): the block's 8 rows from this call's input or from the ring of
 // their page, keys un-rotated and rounded to the model dtype, then K and V encoded (TaDA: every head's rows, for
 // the head mean; each item writes its own head's record only)
@@ -2453,7 +2579,7 @@ void encode_item(const EncodeArgs& a, int64_t item) {
                                              : region_row(trec, L, s0 + (int)(pr % L.ring), kind);
         float* x = Xh + r * D;
         for (int c = 0; c < D; c += W) vstore(x + c, vload_half(row + c, L.bf16));
-        if (kind == 0) {  // Rope.invert: (x * cos - rotate_half(x) * sin) / scale**2, then the model dtype
+        if (kind == 0 && cd.method != QJL) {  // Rope.invert (QJL's keys are post-RoPE): (x * cos - rotate_half(x) * sin) / scale**2, then the model dtype
           const float* C = a.cos + pr * HD;  // cos/sin of channel c + D/2 equal those of c (HD: a multiple of W)
           const float* Sn = a.sin + pr * HD;
           const vf s2 = vbc(a.s2);
@@ -2469,6 +2595,10 @@ void encode_item(const EncodeArgs& a, int64_t item) {
     }
     if (all)
       encode_tada_rows(cd, L, h, XA, rec, slot);
+    else if (cd.method == QJL)
+      encode_qjl_rows(cd, L, X, rec, slot);
+    else if (cd.method == AFFINE)
+      encode_affine_rows(cd, L, X, rec, slot);
     else if (cd.method == SCALED)
       encode_scaled_rows(cd, L, X, rec, slot);
     else

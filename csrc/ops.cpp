@@ -175,6 +175,7 @@ Codec make_codec(const std::vector<at::Tensor>& ct, const std::vector<int64_t>& 
   c.mean_c = (int)ci[11];
   c.group = (int)ci[12];
   c.half_exact = (int)ci[13];
+  c.smax = 0.f;  // (encode_args: QJL's keys)
   const int64_t D = L.D, H = L.H;
   TORCH_CHECK(c.method >= 0 && c.method <= QJL, "bad method");
   if (c.method == SCALED) {  // no codebook: the centroid tensors are empty, mean 0 and std 1 (values are raw)
@@ -459,9 +460,21 @@ std::vector<at::Tensor> gather(const at::Tensor& pages, const at::Tensor& block_
   return {K, V};
 }
 
-// An encode's layout and codecs, checked: the encoders take codebook codes, the selective formats' scaled ones and
-// TaDA's (its head mean over at most 16 heads: torch sums that many in head order); not QJL's sketches or its values'
-// affine codes (the torch path)
+// the largest Euclidean norm of a row of S, from S^T [D][m]: QJL's sign screen bounds its float32 rounding with it
+// (kernels_impl.h qjl_sign_rows; D x m multiply-adds per call, ~1/100 of a decode step's encode)
+float sketch_row_norm_max(const float* ST, int64_t D, int64_t m) {
+  double best = 0.0;
+  for (int64_t j = 0; j < m; ++j) {
+    double s = 0.0;
+    for (int64_t c = 0; c < D; ++c) s += (double)ST[c * m + j] * ST[c * m + j];
+    best = s > best ? s : best;
+  }
+  return (float)std::sqrt(best) * 1.001f;  // (rounded up)
+}
+
+// An encode's layout and codecs, checked: the encoders take codebook codes, the selective formats' scaled ones,
+// TaDA's (its head mean over at most 16 heads: torch sums that many in head order) and QJL's (sign sketches of its
+// keys, affine codes of its values)
 EncodeArgs encode_args(const at::Tensor& pages, const std::vector<at::Tensor>& kt, const std::vector<int64_t>& ki,
                        const std::vector<at::Tensor>& vt, const std::vector<int64_t>& vi,
                        const std::vector<int64_t>& li) {
@@ -471,9 +484,10 @@ EncodeArgs encode_args(const at::Tensor& pages, const std::vector<at::Tensor>& k
   a.v = make_codec(vt, vi, a.lay);
   check_pages(pages, a.lay);
   for (const Codec* c : {&a.k, &a.v})
-    TORCH_CHECK(c->method < SCALED || c->method == SCALED || (c->method == TADA && a.lay.H <= 16),
-                "write_kv encodes codebook codes, the selective formats' and TaDA's (<= 16 KV heads); "
-                "QJL: the torch path");
+    TORCH_CHECK(c->method < SCALED || c->method == SCALED || c->method == AFFINE || (c->method == QJL && c == &a.k) ||
+                    (c->method == TADA && a.lay.H <= 16),
+                "write_kv encodes codebook codes, the selective formats', TaDA's (<= 16 KV heads) and QJL's");
+  if (a.k.method == QJL) a.k.smax = sketch_row_norm_max(a.k.cent, a.lay.D, a.k.chunk);
   return a;
 }
 

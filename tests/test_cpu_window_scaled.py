@@ -34,6 +34,12 @@ CASES = [
 IDS = [f"{f}-d{d}-{str(t)[6:]}-w{w}-b{b}" for f, d, t, w, b in CASES]
 LENS = [1, 7, 8, 9, 16, 17, 23, 24, 25, 33, 40, 41, 57, 64, 65, 100, 137, 150, 300]
 
+# QJL (seed 002): keys scored from their sign sketches (csrc method QJL), values 2-bit with a scale and a min per 32
+# channels (AFFINE); layer 1: the first layers' sketch (m = 4D, m_o = D), layer 20: the later ones' (m = m_o = 2D)
+QJL_CASES = [("qjl", 64, torch.float32, 16, 32, 1), ("qjl", 64, torch.bfloat16, 16, 32, 20),
+             ("qjl", 128, torch.float16, None, 256, 1), ("qjl", 96, torch.float32, 8, 16, 20)]
+QJL_IDS = [f"{f}-d{d}-{str(t)[6:]}-w{w}-b{b}-layer{layer}" for f, d, t, w, b, layer in QJL_CASES]
+
 
 def _cache(case, H=2, GQ=3):
     fmt, D, dtype, window, bs = case
@@ -70,8 +76,8 @@ def test_the_cpu_path_serves_them():
         assert mod is cpu, (case, name)
     qjl = LayerCache.build("qjl", 1, head_dim=64, block_size=256, dtype=torch.bfloat16, rope=None, num_kv_heads=2)
     mod, name = ops.select(qjl, torch.device("cpu"))
-    assert mod is cpu and "cache update in torch" in name, name  # QJL: the decode scores its key sketches
-    assert not cpu.encodes(qjl)
+    assert mod is cpu and "cache update in torch" not in name, name  # QJL: the decode scores its key sketches, C++ writes them
+    assert cpu.encodes(qjl)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -164,6 +170,59 @@ def test_cpp_window_write_is_the_torch_path(case, H):
         cpu.set_isa(before)
 
 
+@pytest.mark.parametrize("case", QJL_CASES + [("qjl", 64, torch.bfloat16, 0, 32, 1)],
+                         ids=QJL_IDS + ["qjl-d64-bfloat16-w0-b32-layer1"])
+def test_cpp_qjl_write_is_the_torch_path(case):
+    """QJL's C++ encoders (sign sketches of the keys under encode_keys' float64 contract - a float32 screen, float64
+    where its rounding bound cannot decide -, the outlier channels, the norms; the values' affine codes) against the
+    torch path through chunked prefills and decode steps: the same page bytes on every ISA.  Keys tiny enough
+    (~1e-33) that every sign goes to the float64 sums, keys zero off their outlier channels (S k_in = 0: sign bit
+    0) and zero keys (every channel's sum of squares tied: the lowest channels) are written too."""
+    fmt, D, dtype, window, bs, layer = case
+    H = 2
+    lc = make_cache(fmt, D, False, dtype, layer, H=H, GQ=1, block_size=bs, window=window)
+    assert cpu.encodes(lc)
+    lens = LENS[::2]
+    g = torch.Generator().manual_seed(11)
+    per = -(-(max(lens) + 12) // bs)
+    tables = torch.randperm(len(lens) * per, generator=g).reshape(len(lens), per)
+    pages0 = torch.randint(0, 256, (len(lens) * per, H, lc.layout.bytes), dtype=torch.uint8, generator=g)
+    if lc.layout.window:
+        writers = (paged_torch.write_kv_window, cpu.write_kv_window)
+        want = _window_write(writers[0], lc, pages0.clone(), tables, lens, H, D, seed=12)
+    else:
+        def writer(write):
+            def w(lc, pages, k, v, qsl, ends, tables):
+                rows = [(r, p) for r in range(len(ends)) for p in range(int(ends[r]) - int(qsl[r + 1] - qsl[r]),
+                                                                          int(ends[r]))]
+                pos = torch.tensor([p for _, p in rows], dtype=torch.long)
+                pid = torch.tensor([int(tables[r, p // bs]) for r, p in rows], dtype=torch.long)
+                write(lc, pages, k, v, pos, pid)
+            return w
+        writers = (writer(paged_torch.write_kv), writer(cpu.write_kv))
+        want = _window_write(writers[0], lc, pages0.clone(), tables, lens, H, D, seed=12)
+    before = cpu.isa()
+    try:
+        for isa in cpu.supported_isas():
+            cpu.set_isa(isa)
+            got = _window_write(writers[1], lc, pages0.clone(), tables, lens, H, D, seed=12)
+            for i, (a, b) in enumerate(zip(got, want)):
+                assert torch.equal(a, b), (isa, i)
+            # the float64 fallback for every sign, and S k_in = 0
+            for k_scale, zero_in in ((1e-33, False), (1.0, True), (0.0, False)):  # (0: every channel tied)
+                pages = pages0.clone(), pages0.clone()
+                k = torch.randn(40, H, D, generator=torch.Generator().manual_seed(13)) * k_scale
+                if zero_in:
+                    k[:, :, 8:] = 0  # (the outliers: the 8 channels of largest sum of squares, these ones)
+                v = torch.randn(40, H, D, generator=torch.Generator().manual_seed(14))
+                k, v = k.to(dtype), v.to(dtype)
+                for w, p in zip(writers, pages):
+                    w(lc, p, k, v, torch.tensor([0, 40]), torch.tensor([40]), tables[:1])
+                assert torch.equal(pages[0], pages[1]), (isa, k_scale)
+    finally:
+        cpu.set_isa(before)
+
+
 @pytest.mark.parametrize("fmt,H", [("tada-4bit", 8), ("tada-2bit", 16), ("selective-int4", 3)])
 def test_cpp_scaled_write_without_window_is_the_torch_path(fmt, H):
     """The scaled encoders through write_kv (no recent window: blocks completed by this call's tokens or by the
@@ -251,11 +310,6 @@ def test_decode_matches_reference(case):
         cpu.set_isa(before)
 
 
-# QJL (seed 002): keys scored from their sign sketches (csrc method QJL), values 2-bit with a scale and a min per 32
-# channels (AFFINE); layer 1: the first layers' sketch (m = 4D, m_o = D), layer 20: the later ones' (m = m_o = 2D)
-QJL_CASES = [("qjl", 64, torch.float32, 16, 32, 1), ("qjl", 64, torch.bfloat16, 16, 32, 20),
-             ("qjl", 128, torch.float16, None, 256, 1), ("qjl", 96, torch.float32, 8, 16, 20)]
-QJL_IDS = [f"{f}-d{d}-{str(t)[6:]}-w{w}-b{b}-layer{layer}" for f, d, t, w, b, layer in QJL_CASES]
 
 
 @pytest.mark.parametrize("case", QJL_CASES, ids=QJL_IDS)

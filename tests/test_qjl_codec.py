@@ -76,7 +76,7 @@ def test_sign_bits_are_packed_little_endian_and_norms_keep_the_model_dtype():
     assert enc.norm.dtype == enc.outlier_norm.dtype == torch.bfloat16 and S.dtype == torch.float32
     out = qjl.outlier_mask(enc.outlier_idx, 16, 16)
     t, h = 5, 1
-    proj = (k[t, h].float().masked_fill(out[t, h], 0) @ S.t()).tolist()
+    proj = (k[t, h].double().masked_fill(out[t, h], 0) @ S.double().t()).tolist()  # the float64 contract
     for byte in range(4):
         assert enc.bits[t, h, byte].item() == sum(2**j for j in range(8) if proj[8 * byte + j] > 0)
     assert torch.equal(qjl.unpack_signs(enc.bits[t, h]), torch.tensor([1.0 if p > 0 else -1.0 for p in proj]))

@@ -87,10 +87,11 @@ def select_outlier_channels(k: torch.Tensor, n_outliers: int = N_OUTLIERS,
         raise ValueError(f"QJL keys come in whole groups of {group_size} tokens, got T={T}")
     if not 0 <= n_outliers <= min(D, 256):
         raise ValueError(f"n_outliers={n_outliers} must be in [0, min(D, 256)]")
-    kf = k.float().reshape(T // group_size, group_size, H, D)
+    kd = k.double().reshape(T // group_size, group_size, H, D)
     # squared L2 norms [nG, H, D]: the norms' order (torch's norm over a dimension that is not the last one ran ~45x
-    # slower on the CPU: 3.2 ms of a 2048-token chunk's 17 ms key encode, on 2 cores)
-    sq = (kf * kf).sum(dim=1)
+    # slower on the CPU), in float64 (encode_keys' contract: exact squares, a sum that rounds at 2^-53, so the C++
+    # encoder's order can change the choice only between channels tied to ~1e-16)
+    sq = (kd * kd).sum(dim=1)
     order = torch.sort(sq, dim=-1, descending=True, stable=True).indices
     return order[..., :n_outliers].to(torch.uint8)
 
@@ -147,7 +148,13 @@ class QJLKeys:
 def encode_keys(k: torch.Tensor, S: torch.Tensor, m_outlier: int | None = None,
                 n_outliers: int = N_OUTLIERS, group_size: int = OUTLIER_GROUP) -> QJLKeys:
     """Post-RoPE keys [T, H, D] (T a multiple of ``group_size``) -> QJLKeys.  ``m_outlier`` defaults
-    to all rows of S (the [C] general-layer setting), or 0 without outliers.  Projections are float32."""
+    to all rows of S (the [C] general-layer setting), or 0 without outliers.
+
+    Projections, norms and the outlier channels' sums of squares are float64 (the contract the C++ encoder keeps,
+    csrc/kernels_impl.h encode_qjl_rows): products of float32 values are exact there and a sum rounds at 2^-53, so a
+    sign differs from the exact one's only within ~1e-16 of 0, in any summation order - a float32 matmul's signs
+    depend on its library's order (MKL's, per machine and thread count) ~1e-6 of the time.  Norms: float64, rounded
+    to float32, then to the model dtype."""
     T, H, D = k.shape
     m = S.shape[0]
     m_o = (m if n_outliers else 0) if m_outlier is None else m_outlier
@@ -156,16 +163,16 @@ def encode_keys(k: torch.Tensor, S: torch.Tensor, m_outlier: int | None = None,
                          f"got S {tuple(S.shape)}, m_outlier={m_o}")
     if n_outliers and not m_o:
         raise ValueError("outlier channels need an outlier sketch (m_outlier > 0)")
-    S = S.to(k.device, torch.float32)
-    kf = k.float()
+    Sd = S.to(k.device, torch.float64)
+    kd = k.double()
     idx = select_outlier_channels(k, n_outliers, group_size)
     M = outlier_mask(idx, D, group_size)
-    k_in, k_out = kf.masked_fill(M, 0.0), kf.masked_fill(~M, 0.0)
+    k_in, k_out = kd.masked_fill(M, 0.0), kd.masked_fill(~M, 0.0)
     return QJLKeys(
-        bits=_pack(k_in @ S.t() > 0),
-        outlier_bits=_pack(k_out @ S[:m_o].t() > 0),
-        norm=kf.norm(dim=-1).to(k.dtype),
-        outlier_norm=k_out.norm(dim=-1).to(k.dtype),
+        bits=_pack(k_in @ Sd.t() > 0),
+        outlier_bits=_pack(k_out @ Sd[:m_o].t() > 0),
+        norm=kd.norm(dim=-1).float().to(k.dtype),
+        outlier_norm=k_out.norm(dim=-1).float().to(k.dtype),
         outlier_idx=idx,
         group_size=group_size,
     )

@@ -67,10 +67,8 @@ def select(lc, device) -> tuple[ModuleType, str]:
         from . import cpu
 
         if cpu.supports(lc):
-            if cpu.encodes(lc):
-                flash = "; prefill attention on torch's flash kernel" if cpu.use_flash_prefill(lc.dtype) else ""
-                return cpu, f"C++ ({cpu.isa()}{flash})"
-            return cpu, f"C++ ({cpu.isa()}; QJL's key sketches: cache update in torch)"
+            flash = "; prefill attention on torch's flash kernel" if cpu.use_flash_prefill(lc.dtype) else ""
+            return cpu, f"C++ ({cpu.isa()}{flash})"
         if not cpu.available():
             why = "extension not loaded"
         elif lc.kernel_blocker:

@@ -273,7 +273,7 @@ def rope_tables(rope, n: int):
 def supports(lc, pages: torch.Tensor | None = None) -> bool:
     """Whether the kernels read this layer cache's pages (decode attention, gather; else: the torch path).  Writes
     are ``encodes``'s question."""
-    if not (available() and _static_support(lc)[0]):
+    if not (available() and _static_support(lc)):
         return False
     if pages is None or _PAGES_OK.get(lc) is pages:  # (a served layer's one pages tensor: checked once)
         return True
@@ -287,23 +287,20 @@ def supports(lc, pages: torch.Tensor | None = None) -> bool:
 _PAGES_OK: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-_SUPPORT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer cache -> (kernels read, C++ encodes)
+_SUPPORT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer cache -> the kernels read and write it
 
 
-def _static_support(lc) -> tuple[bool, bool]:
-    """What ``supports`` and ``encodes`` decide from the layer cache alone (a frozen one: decided once)."""
+def _static_support(lc) -> bool:
+    """What ``supports`` and ``encodes`` decide from the layer cache alone (a frozen one: decided once): codebook
+    codes, the selective formats', TaDA's and QJL's scaled ones and QJL's key sketches, with or without a recent
+    window (lc.blocker: what the layer cache says these kernels cannot decode), read and written (csrc/ops.cpp
+    encode_args) alike."""
     have = _SUPPORT.get(lc)
     if have is None:
         D = lc.layout.head_dim
-        # codebook codes, the selective formats', TaDA's and QJL's scaled ones and QJL's key sketches, with or without
-        # a recent window (lc.blocker: what the layer cache says these kernels cannot decode)
-        reads = (lc.blocker(scaled=True, window=True, sketches=True) is None
-                 and lc.dtype in (torch.bfloat16, torch.float16, torch.float32) and D % 32 == 0 and D <= 256)
-        # the C++ encoders (csrc/ops.cpp encode_args): codebook codes, the selective formats' and TaDA's, with or
-        # without a window; QJL's sketches and its values' affine codes are written by the torch path
-        writes = reads and lc.blocker(scaled=True, window=True) is None and all(
-            q.code_layout.cpu_scaled != "affine" for q in (lc.k, lc.v))
-        have = _SUPPORT[lc] = (reads, writes)
+        have = _SUPPORT[lc] = (lc.blocker(scaled=True, window=True, sketches=True) is None
+                               and lc.dtype in (torch.bfloat16, torch.float16, torch.float32) and D % 32 == 0
+                               and D <= 256)
     return have
 
 
@@ -316,13 +313,11 @@ def attends(lc) -> bool:
 
 
 def encodes(lc, pages: torch.Tensor | None = None, heads: int | None = None) -> bool:
-    """Whether ``write_kv`` / ``write_kv_window`` encode in C++: codebook codes, the selective formats' and TaDA's
-    scaled ones (TaDA's head mean over at most 16 KV heads: the order torch sums them in), with or without a recent
-    window.  QJL's (sign sketches of its keys) are written by the torch path, bit-identical by definition, while
-    the kernels still read them."""
-    return (supports(lc, pages) and _static_support(lc)[1]
-            and (heads is None or heads <= 16 or "tada" not in (lc.k.code_layout.cpu_scaled,
-                                                                  lc.v.code_layout.cpu_scaled)))
+    """Whether ``write_kv`` / ``write_kv_window`` encode in C++: every format the kernels read (codebook codes, the
+    selective formats', TaDA's - its head mean over at most 16 KV heads: the order torch sums them in -, QJL's sign
+    sketches under their float64 contract and its values' affine codes), with or without a recent window."""
+    return supports(lc, pages) and (heads is None or heads <= 16 or "tada" not in (
+        getattr(lc.k.code_layout, "cpu_scaled", None), getattr(lc.v.code_layout, "cpu_scaled", None)))
 
 
 _NONE32, _NONE64 = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64)  # no small pages
@@ -590,15 +585,6 @@ def forward(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
                                    attend_fast=attend_fast if not batch_invariant and attends(lc)
                                    and pages.device.type == "cpu" else None)
     window = lc.layout.window and exact is None
-    if not _static_support(lc)[1] and not window:  # read here, written by the torch path (QJL): attend first,
-        out = paged_attention(lc, pages, query, key, value, query_start_loc, seq_lens, block_tables, scale, out,
-                              False, exact, plan)  # then the torch update (write_kv_window with a recent window)
-        if lc.layout.window:
-            write_kv_window(lc, pages, key, value, query_start_loc, seq_lens, block_tables)
-        else:
-            paged_torch.write_kv(lc, pages, key, value, positions, page_ids,
-                                 exact=None if exact is None else exact.tokens(query_start_loc, key.shape[0]))
-        return out
     if out is None:
         out = torch.empty_like(query)
     if plan is None:
