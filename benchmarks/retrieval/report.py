@@ -52,16 +52,25 @@ def write_markdown(rep: dict, path: Path) -> None:
             lines.append(f"| {f} | " + " | ".join(f"{r['cells'].get(f'{t}@{n}', float('nan')):.2f}"
                                                   for t in st["tasks"] for n in lengths) + " |")
     lines += ["", "## Wall time", "", "÷ auto only where auto's suite ran on the same machine (a resumed file may hold "
-              "formats timed on others; \"earlier run\": a format scored before the machine was recorded).", "",
-              "| --kv-cache-dtype | machine | server start-up s | prompts timed | suite s | s per prompt | ÷ auto |",
-              "|---|---|---|---|---|---|---|"]
+              "formats timed on others; \"earlier run\": a format scored before the machine was recorded).  Output "
+              "tokens: what the greedy answers generated (each stops at its own end of text, so formats do different "
+              "amounts of decode work; – where the records predate the count).", "",
+              "| --kv-cache-dtype | machine | server start-up s | prompts timed | suite s | s per prompt | output tokens "
+              "| ÷ auto |",
+              "|---|---|---|---|---|---|---|---|"]
     ratios = wall_ratios(res)
     for f, r in res.items():
         if "error" not in r and r.get("suite_s") is not None:
             ratio = f"{ratios[f]:.2f}" if f in ratios else "–"
             lines.append(f"| {f} | {r.get('machine', 'earlier run')} | {r.get('startup_s', '–')} | "
-                         f"{r.get('suite_prompts', len(r['records']))} | {r['suite_s']} | {_per_prompt(r):.1f} | {ratio} |")
+                         f"{r.get('suite_prompts', len(r['records']))} | {r['suite_s']} | {_per_prompt(r):.1f} | "
+                         f"{_output_tokens(r)} | {ratio} |")
     path.write_text("\n".join(lines) + "\n")
+
+
+def _output_tokens(r: dict) -> str:
+    n = [x.get("completion_tokens") for x in r["records"]]
+    return str(sum(n)) if n and None not in n else "–"
 
 
 def _per_prompt(r: dict) -> float:

@@ -34,7 +34,7 @@ def run_suite(url: str, model: str, samples: list[Sample], concurrency: int = 4,
         text = r.choices[0].text
         return {"task": s.task, "length": s.length, "index": s.index, "answers": s.answers, "output": text,
                 "score": score(text, s.answers), "prompt_tokens": r.usage.prompt_tokens,
-                "prompt_sha": prompt_sha(s.prompt)}
+                "completion_tokens": r.usage.completion_tokens, "prompt_sha": prompt_sha(s.prompt)}
 
     with cf.ThreadPoolExecutor(concurrency) as ex:
         futs = {ex.submit(one, s): i for i, s in enumerate(samples)}
