@@ -328,7 +328,7 @@ def main(argv=None):
     rep = {"settings": {"name": args.name, "formats": args.formats, "shape_names": args.shape_names, "model": args.model, "vllm": args.vllm,
                         "vllm_version": ver.stdout.strip().splitlines()[-1] if ver.returncode == 0 and ver.stdout.strip() else None,
                         "concurrency": args.concurrency, "engine_args": args.engine_args,
-                        "cpu_env": {k: v for k, v in _env(args).items() if k.startswith("VLLM_CPU_")},
+                        "cpu_env": {k: v for k, v in _env(args).items() if k.startswith(("VLLM_CPU_", "GOMP_", "OMP_"))},
                         # the GPU path's switches (VLLM_TEMPORALKV_CUDA_GRAPHS=1: full CUDA graphs of our decode)
                         "plugin_env": {k: v for k, v in _env(args).items() if k.startswith("VLLM_TEMPORALKV_CUDA")}},
            "offline": {}, "serve": {}, "run": run_record()}

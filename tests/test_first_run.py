@@ -313,8 +313,12 @@ def test_cpu_tuning(parser, model_dir):
     p = cli.ServePlan(args=[])
     cli.tune(p, [], {}, bf16_units=False, cpus=[0, 1])
     assert p.tuned_args == ["--dtype", "float32"]
-    assert p.tuned_env == {"VLLM_CPU_OMP_THREADS_BIND": "0,1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert p.tuned_env == {"VLLM_CPU_OMP_THREADS_BIND": "0,1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                           "GOMP_SPINCOUNT": "20000"}
     assert len(p.tuned_why) == 2 and "--dtype bfloat16 to override" in p.tuned_why[1]
+    p = cli.ServePlan(args=[])  # the user's own OpenMP wait policy stays
+    cli.tune(p, [], {"OMP_WAIT_POLICY": "active"}, bf16_units=True, cpus=[0, 1])
+    assert p.tuned_env == {"VLLM_CPU_OMP_THREADS_BIND": "0,1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     p = cli.ServePlan(args=[])
     cli.tune(p, ["--dtype=bfloat16"], {"VLLM_CPU_OMP_THREADS_BIND": "0"}, bf16_units=False, cpus=[0, 1])
     assert p.tuned_args == [] and p.tuned_env == {} and p.tuned_why == []

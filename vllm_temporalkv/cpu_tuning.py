@@ -8,8 +8,17 @@
   2-core machine that halves the compute, and binding the worker to both served 1.8x faster.  So on
   machines of at most SMALL_MACHINE_CPUS CPUs the worker gets all of them, unless the user set
   VLLM_CPU_OMP_THREADS_BIND.
+* **spin**: the worker's OpenMP threads then own every core, and between two parallel regions libgomp's idle
+  thread spins (300k iterations by default) on the core the API server process needs for its share (HTTP,
+  tokenizing, detokenizing); that work then preempts a worker thread inside a later parallel region and its
+  partner waits at the barrier.  A short spin (GOMP_SPINCOUNT=20000, then sleep) lets it run in the gaps: the
+  retrieval suite through the server on the 2-core AMX Xeon (SmolLM2, 12 prompts of 2k-4k tokens, 4 in flight),
+  seconds ÷ auto's with the default spin / with 20000 in one run each: temporalkv-2bit 1.29 / 1.10, temporalkv-k4v2
+  1.19 / 1.15, selective-int4 1.10 / 1.01, tada-4bit 1.19 / 1.11, qjl 1.27 / 1.10, auto's own suite 29.4 / 28.5 s
+  (README, issue 33).  The plugin's formats have more Python between their C++ calls than auto's one attention op
+  per layer, hence more gaps.  Unless the user set GOMP_SPINCOUNT or OMP_WAIT_POLICY.
 
-Both apply to every --kv-cache-dtype alike (the benchmarks compare formats under the same settings).
+All apply to every --kv-cache-dtype alike (the benchmarks compare formats under the same settings).
 """
 
 from __future__ import annotations
@@ -33,13 +42,20 @@ def _cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
+GOMP_SPIN = "20000"  # libgomp's spin before an idle OpenMP thread sleeps (the module docstring: **spin**)
+
+
 def serving_env(environ=None, cpus: list[int] | None = None) -> dict[str, str]:
-    """Environment for a vLLM CPU server or benchmark: on a small machine, the worker on every CPU."""
+    """Environment for a vLLM CPU server or benchmark: on a small machine, the worker on every CPU, its idle
+    OpenMP threads spinning briefly."""
     environ = os.environ if environ is None else environ
     cpus = _cpus() if cpus is None else cpus
     if "VLLM_CPU_OMP_THREADS_BIND" in environ or len(cpus) > SMALL_MACHINE_CPUS:
         return {}
-    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    if "GOMP_SPINCOUNT" not in environ and "OMP_WAIT_POLICY" not in environ:
+        env["GOMP_SPINCOUNT"] = GOMP_SPIN
+    return env
 
 
 def default_dtype(bf16_units: bool | None = None) -> str | None:

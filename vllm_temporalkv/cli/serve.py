@@ -213,7 +213,9 @@ def tune(plan: ServePlan, args: list[str], environ, *, bf16_units: bool | None =
     plan.tuned_env = cpu_tuning.serving_env(environ, cpus=cpus)
     if plan.tuned_env:
         plan.tuned_why.append(f"the model runs on all {len(plan.tuned_env['VLLM_CPU_OMP_THREADS_BIND'].split(','))} "
-                              "CPUs of this small machine (VLLM_CPU_OMP_THREADS_BIND=... to choose)")
+                              "CPUs of this small machine (VLLM_CPU_OMP_THREADS_BIND=... to choose)"
+                              + ("; its idle OpenMP threads spin briefly (GOMP_SPINCOUNT=... to choose)"
+                                 if "GOMP_SPINCOUNT" in plan.tuned_env else ""))
     if not any(a == "--dtype" or a.startswith("--dtype=") for a in args):
         dtype = cpu_tuning.default_dtype(bf16_units)
         if dtype:
