@@ -2367,6 +2367,21 @@ inline void encode_scaled_rows(const Codec& cd, const Layout& L, const float* X,
   }
 }
 
+// the smallest and largest of n floats (n a multiple of W; exact in any order): TaDA's and QJL's value groups
+inline void group_min_max(const float* d, int n, float* l, float* u) {
+  vf lo = vload(d), hi = lo;
+  for (int c = W; c < n; c += W) {
+    lo = vmin(lo, vload(d + c));
+    hi = vmax(hi, vload(d + c));
+  }
+  *l = lo[0];
+  *u = hi[0];
+  for (int e = 1; e < W; ++e) {
+    *l = lo[e] < *l ? lo[e] : *l;
+    *u = hi[e] > *u ? hi[e] : *u;
+  }
+}
+
 // TADA (TadaQuantizer.encode), XA [H][8][D]: every head's rows of the block.  Per token the head mean (summed in
 // head order, divided by H: torch's mean over up to 16 heads) rounded to the store half; head h's deviations
 // mean - x per group: min to fp16, scale (max - min) / qmax (at least eps) to fp16, codes round((dev - min) /
@@ -2395,16 +2410,8 @@ inline void encode_tada_rows(const Codec& cd, const Layout& L, int h, const floa
     }
     for (int gi = 0; gi < G; ++gi) {
       const float* d = dev + gi * cd.group;
-      vf lo = vload(d), hi = lo;
-      for (int c = W; c < cd.group; c += W) {
-        lo = vmin(lo, vload(d + c));
-        hi = vmax(hi, vload(d + c));
-      }
-      float l = lo[0], u = hi[0];
-      for (int e = 1; e < W; ++e) {
-        l = lo[e] < l ? lo[e] : l;
-        u = hi[e] > u ? hi[e] : u;
-      }
+      float l, u;
+      group_min_max(d, cd.group, &l, &u);
       const uint16_t mn16 = f32_to_fp16(l);
       const float mn = fp16_to_f32(mn16);
       float sf = (u - mn) / (float)qmax;
@@ -2435,16 +2442,8 @@ inline void encode_affine_rows(const Codec& cd, const Layout& L, const float* X,
     const float* x = X + (int64_t)t * D;
     for (int gi = 0; gi < G; ++gi) {
       const float* d = x + gi * cd.group;
-      vf lo = vload(d), hi = lo;
-      for (int c = W; c < cd.group; c += W) {
-        lo = vmin(lo, vload(d + c));
-        hi = vmax(hi, vload(d + c));
-      }
-      float l = lo[0], u = hi[0];
-      for (int e = 1; e < W; ++e) {
-        l = lo[e] < l ? lo[e] : l;
-        u = hi[e] > u ? hi[e] : u;
-      }
+      float l, u;
+      group_min_max(d, cd.group, &l, &u);
       const uint16_t sc16 = f32_to_fp16((u - l) / (float)qmax), mn16 = f32_to_fp16(l);
       par[t * 2 * G + gi] = sc16;
       par[t * 2 * G + G + gi] = mn16;
