@@ -285,6 +285,7 @@ def test_wall_time_ratios_only_within_one_machine(tmp_path):
             "prompt_tokens": 1}]
     times = {"auto": ("A (amx)", 10.0), "same": ("A (amx)", 15.0), "elsewhere": ("B (avx2)", 5.0), "old": (None, 20.0)}
     formats = bench_call(RECORDS, json.dumps({f: rec for f in times}))
+    formats["same"]["records"] = [dict(r, completion_tokens=7) for r in formats["same"]["records"]]
     for f, (m, secs) in times.items():
         formats[f].update({"suite_s": secs, "suite_prompts": 1, "startup_s": 1.0}, **({"machine": m} if m else {}))
     settings = {"name": "t", "tasks": ["niah_single"], "lengths": [2048], "samples": 1, "seed": 0}
@@ -292,8 +293,9 @@ def test_wall_time_ratios_only_within_one_machine(tmp_path):
                                                           "run": {"command": "x", "machine": {"cpu": "c"}, "time": "t"}}))
     run_bench("benchmarks.retrieval", "--rerender", "--out", tmp_path)
     rows = {line.split(" | ")[0].lstrip("| "): line for line in (tmp_path / "retrieval.md").read_text().splitlines()
-            if line.count("|") == 8}
-    assert rows["same"].endswith("| 1.50 |") and "A (amx)" in rows["same"]
+            if line.count("|") == 9}
+    assert rows["same"].endswith("| 7 | 1.50 |") and "A (amx)" in rows["same"]  # its output tokens, then ÷ auto
+    assert rows["auto"].endswith("| – | 1.00 |")  # records without the count
     assert rows["elsewhere"].endswith("| – |") and "B (avx2)" in rows["elsewhere"]
     assert rows["old"].endswith("| – |") and "earlier run" in rows["old"]
     saved = json.loads((tmp_path / "retrieval.json").read_text())["formats"]  # the headline's wall_ratio_vs_auto
