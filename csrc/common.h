@@ -54,7 +54,7 @@ struct Codec {
   int64_t mean_off;      // TADA: each head's share of the per-token head mean, [blocks][8][mean_c] from here
   int mean_c;            // TADA: channels of the mean per head's record (head h keeps h*mean_c ..)
   int group;             // TADA, AFFINE: channels per scale / min group (P = 2 * D / group: the scales, then the mins)
-  float smax;            // QJL (encode): the largest norm of a row of S (encode_args; the sign screen's bound)
+  float smax;            // QJL (encode): the largest norm of a row of S (encode_blocks; the sign screen's bound)
   int half_exact;        // cent16 holds the centroids exactly (fp16 ones: artifacts'): the gather reads it (half the
                          // bytes; its codebooks are cold in a served layer step), bit-identical to cent
 };

@@ -2534,13 +2534,16 @@ inline void encode_qjl_rows(const Codec& cd, const Layout& L, const float* X, ui
   float n_in[BLOCK], n_out[BLOCK];
   for (int t = 0; t < BLOCK; ++t) {
     const float* x = X + t * D;
-    double all = 0.0, out = 0.0;
+    double all = 0.0, out = 0.0, in = 0.0;
     for (int c = 0; c < D; ++c) all += (double)x[c] * x[c];
     for (int o = 0; o < QJL_OUTLIERS; ++o) out += (double)x[chan_out[o]] * x[chan_out[o]];
+    // summed on their own, not all - out: that difference cancels when the outliers dwarf the rest, and a screen
+    // bound rounded toward 0 would keep float32 signs that float64 can flip
+    for (int i = 0; i < nin; ++i) in += (double)x[chan_in[i]] * x[chan_in[i]];
     const uint16_t h[2] = {f32_to_fp16((float)__builtin_sqrt(all)), f32_to_fp16((float)__builtin_sqrt(out))};
     __builtin_memcpy(nrm + 4 * t, h, 4);
     // the screen's bounds: the restricted norms, generously rounded up (a factor 2 to spare in the threshold)
-    n_in[t] = (float)__builtin_sqrt(all > out ? all - out : 0.0) * 1.001f;
+    n_in[t] = (float)__builtin_sqrt(in) * 1.001f;
     n_out[t] = (float)__builtin_sqrt(out) * 1.001f;
   }
   qjl_sign_rows(cd.cent, m, m, X, D, chan_in, nin, cd.smax, n_in, in_bits);  // S k_in

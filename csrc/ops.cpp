@@ -461,7 +461,7 @@ std::vector<at::Tensor> gather(const at::Tensor& pages, const at::Tensor& block_
 }
 
 // the largest Euclidean norm of a row of S, from S^T [D][m]: QJL's sign screen bounds its float32 rounding with it
-// (kernels_impl.h qjl_sign_rows; D x m multiply-adds per call, ~1/100 of a decode step's encode)
+// (kernels_impl.h qjl_sign_rows; D x m multiply-adds per call that encodes a block)
 float sketch_row_norm_max(const float* ST, int64_t D, int64_t m) {
   double best = 0.0;
   for (int64_t j = 0; j < m; ++j) {
@@ -487,8 +487,7 @@ EncodeArgs encode_args(const at::Tensor& pages, const std::vector<at::Tensor>& k
     TORCH_CHECK(c->method < SCALED || c->method == SCALED || c->method == AFFINE || (c->method == QJL && c == &a.k) ||
                     (c->method == TADA && a.lay.H <= 16),
                 "write_kv encodes codebook codes, the selective formats', TaDA's (<= 16 KV heads) and QJL's");
-  if (a.k.method == QJL) a.k.smax = sketch_row_norm_max(a.k.cent, a.lay.D, a.k.chunk);
-  return a;
+  return a;  // (QJL's Codec::smax: encode_blocks, where there are blocks to encode)
 }
 
 // The K/V rows and RoPE tables of an encode (write_kv, write_kv_window)
@@ -526,6 +525,9 @@ void encode_blocks(EncodeArgs& a, const at::Tensor& pages, const at::Tensor& kh,
   a.cos = cos.data_ptr<float>();
   a.sin = sin.data_ptr<float>();
   a.s2 = (float)s2;
+  if (blocks.empty()) return;
+  // computed here, not per encode_args: most decode steps' writes complete no block
+  if (a.k.method == QJL) a.k.smax = sketch_row_norm_max(a.k.cent, a.lay.D, a.k.chunk);
   const Kernels* kern = g_kernels;
   parallel_heads((int64_t)blocks.size() / 5, a.lay.H, [&](int64_t i) { kern->encode_item(a, i); }, [&](int64_t h) {
     prefetch_head(a.k, a.lay.D, h, true);

@@ -177,7 +177,7 @@ def test_cpp_qjl_write_is_the_torch_path(case):
     where its rounding bound cannot decide -, the outlier channels, the norms; the values' affine codes) against the
     torch path through chunked prefills and decode steps: the same page bytes on every ISA.  Keys tiny enough
     (~1e-33) that every sign goes to the float64 sums, keys zero off their outlier channels (S k_in = 0: sign bit
-    0) and zero keys (every channel's sum of squares tied: the lowest channels) are written too."""
+    0) or ~1e-12 of them there, and zero keys (every channel's sum of squares tied: the lowest channels) are written too."""
     fmt, D, dtype, window, bs, layer = case
     H = 2
     lc = make_cache(fmt, D, False, dtype, layer, H=H, GQ=1, block_size=bs, window=window)
@@ -209,11 +209,12 @@ def test_cpp_qjl_write_is_the_torch_path(case):
             for i, (a, b) in enumerate(zip(got, want)):
                 assert torch.equal(a, b), (isa, i)
             # the float64 fallback for every sign, and S k_in = 0
-            for k_scale, zero_in in ((1e-33, False), (1.0, True), (0.0, False)):  # (0: every channel tied)
+            # (in_scale: the non-outlier channels' size; 1e-12: their share of the norm is below float64's
+            # rounding of the whole, so the screen's bound must come from their own sum of squares)
+            for k_scale, in_scale in ((1e-33, 1.0), (1.0, 0.0), (1.0, 1e-12), (0.0, 1.0)):  # (0: every channel tied)
                 pages = pages0.clone(), pages0.clone()
                 k = torch.randn(40, H, D, generator=torch.Generator().manual_seed(13)) * k_scale
-                if zero_in:
-                    k[:, :, 8:] = 0  # (the outliers: the 8 channels of largest sum of squares, these ones)
+                k[:, :, 8:] *= in_scale  # (the outliers: the 8 channels of largest sum of squares, then these)
                 v = torch.randn(40, H, D, generator=torch.Generator().manual_seed(14))
                 k, v = k.to(dtype), v.to(dtype)
                 for w, p in zip(writers, pages):
