@@ -235,6 +235,10 @@ void long_panel_entry(const ChunkArgs& a, const LongShape& s, int h, int64_t pan
 constexpr int LONG_PANEL_ROWS = 256;  // amx_attention.h LONG_ROWS
 }  // namespace amx
 
+// Whether the AVX-512 decode reads channel codes with vpgather (crow32): fast where the CPU is not slowed by the
+// Gather Data Sampling mitigation (ops.cpp gathers_fast), else the scalar loads of crow16
+extern bool g_gathers;
+
 namespace avx512 { extern const Kernels kernels; }
 namespace avx2 { extern const Kernels kernels; }
 namespace scalar { extern const Kernels kernels; }

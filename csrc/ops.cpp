@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,25 @@ const Kernels* initial() {
 }
 
 const Kernels* g_kernels = initial();
+
+// Gathers at full speed: Linux says the CPU is not affected by Gather Data Sampling (its microcode mitigation makes
+// every vpgather several times slower), or the CPU has AVX-512 FP16 (Sapphire Rapids on: never affected).
+// VLLM_TEMPORALKV_CPU_GATHERS=0|1 overrides.
+bool gathers_fast() {
+  const char* env = std::getenv("VLLM_TEMPORALKV_CPU_GATHERS");
+  if (env && *env) return env[0] == '1';
+#ifdef TKV_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512fp16")) return true;
+#endif
+  std::ifstream f("/sys/devices/system/cpu/vulnerabilities/gather_data_sampling");
+  std::string line;
+  return f && std::getline(f, line) && line.rfind("Not affected", 0) == 0;
+}
+
+}  // namespace
+bool g_gathers = gathers_fast();
+namespace {
 
 template <class F>
 void parallel_items(int64_t n, const F& f) {
@@ -271,6 +291,9 @@ void set_isa(const std::string& name) {
   TORCH_CHECK(cpu_has(name), "this CPU does not support ", name);
   g_kernels = by_name(name);
 }
+
+bool gathers() { return g_gathers; }
+void set_gathers(bool on) { g_gathers = on; }
 
 std::vector<std::string> supported_isas() {
   std::vector<std::string> out;
@@ -1097,6 +1120,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "vllm-temporalkv CPU kernels (AVX-512 / AVX2 / portable, chosen at run time)";
   m.def("isa", &tkv::isa, "the kernel variant in use");
   m.def("set_isa", &tkv::set_isa, "force a variant: avx512, avx2 or scalar");
+  m.def("gathers", &tkv::gathers, "whether the AVX-512 decode reads channel codes with vpgather");
+  m.def("set_gathers", &tkv::set_gathers, "force the AVX-512 decode's code reads: vpgather (true) or scalar loads");
   m.def("supported_isas", &tkv::supported_isas, "the variants this CPU can run");
   m.def("decode_attention", &tkv::decode_attention, py::call_guard<py::gil_scoped_release>());
   m.def("gather", &tkv::gather, py::call_guard<py::gil_scoped_release>());

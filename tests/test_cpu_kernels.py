@@ -29,12 +29,19 @@ def torch_nearest(monkeypatch):
     monkeypatch.setattr(codec_base, "_NEAREST_IMPLS", {})
 
 
-@pytest.fixture(params=cpu.supported_isas())
+# avx512 twice: the channel codes read with the machine's choice of vpgather or scalar loads, then the other way
+_ALT = "avx512-alt-gathers"
+
+
+@pytest.fixture(params=cpu.supported_isas() + ([_ALT] if "avx512" in cpu.supported_isas() else []))
 def isa(request):
-    before = cpu.isa()
-    cpu.set_isa(request.param)
+    before, gathers = cpu.isa(), cpu.gathers()
+    cpu.set_isa("avx512" if request.param == _ALT else request.param)
+    if request.param == _ALT:
+        cpu.set_gathers(not gathers)
     yield request.param
     cpu.set_isa(before)
+    cpu.set_gathers(gathers)
 
 
 # (format, head_dim, outliers, dtype, layer): every method x bits, the hybrid, both head dims and

@@ -152,6 +152,17 @@ def isa() -> str | None:
     return _C.isa() if _C is not None else None
 
 
+def gathers() -> bool | None:
+    """Whether the AVX-512 decode reads channel codes with vpgather (where the CPU's gathers are not slowed by the
+    Gather Data Sampling mitigation; VLLM_TEMPORALKV_CPU_GATHERS=0|1 overrides), None without the extension."""
+    return bool(_C.gathers()) if _C is not None else None
+
+
+def set_gathers(on: bool) -> None:
+    """Force the AVX-512 decode's code reads (tests): vpgather (True) or scalar loads (False); the same values."""
+    _C.set_gathers(bool(on))
+
+
 def supported_isas() -> list[str]:
     return list(_C.supported_isas()) if _C is not None else []
 
