@@ -98,6 +98,7 @@ struct DecodeArgs {
   const float* tsin;
   const float* dcos;
   const float* dsin;
+  const float* rcs = nullptr;  // dcos then dsin as rows [2][DTILE][D/2] (decode_attention: once per call, not item)
   float inv_rope_scale;
   float scale;         // softmax scale
   int tiles_per_split;

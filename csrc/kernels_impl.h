@@ -1497,14 +1497,9 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
   // keys decoded as rows (selective, TaDA: raw values, std 1 and mean 0), scored from the rows (row_scores16)
   const bool rows_k = TKV_W == 16 && !a.exact && (a.k.method == SCALED || a.k.method == TADA) && L.cap == 0 &&
                       HD % W == 0 && HD % BLOCK == 0;
-  float* rcos = nullptr;  // dcos/dsin as rows [DTILE][HD]: the row rotation's factors
-  if (fast_kc || rows_k) {
-    rcos = static_cast<float*>(__builtin_alloca(sizeof(float) * (2 * DTILE * HD + DTILE * D)));  // + the rows
-    for (int t = 0; t < DTILE; t += BLOCK) {
-      cols_to_rows(a.dcos + t, DTILE, rcos + t * HD, HD, HD);
-      cols_to_rows(a.dsin + t, DTILE, rcos + (DTILE + t) * HD, HD, HD);
-    }
-  }
+  const float* rcos = a.rcs;  // dcos/dsin as rows [DTILE][HD]: the row rotation's factors (once per call)
+  float* krows = nullptr;     // a tile's decoded key rows
+  if (fast_kc || rows_k) krows = static_cast<float*>(__builtin_alloca(sizeof(float) * DTILE * D));
   const int AW = fast_v ? W : 8;  // lanes per accumulated channel: tokens of a tile (fast) or of a block
   float* acc8 = nullptr;
   if (vtemp) {
@@ -1677,7 +1672,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
           }
         } else {
           const float* rsin = rcos + DTILE * HD;
-          float* rows = rcos + 2 * DTILE * HD;
+          float* rows = krows;
           switch (K.chunk) {
             case 2: scored = kscores_channel_tile<2, DT>(sc, qr, g, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
             case 4: scored = kscores_channel_tile<4, DT>(sc, qr, g, kc, gb0, gs, D, kstd, kmean, rcos, rsin, rows); break;
@@ -1694,7 +1689,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
       }
 #if TKV_W == 16
       if (rows_k) {  // the tile's rows, then their scores 16 rows at a time
-        float* R = rcos + 2 * DTILE * HD;
+        float* R = krows;
         for (int b = 0; b < DTILE / BLOCK; ++b) {
           const int c0 = b * BLOCK;
           if (c0 < v0 || c0 >= v1) {  // (finite values whose softmax weights are exactly 0)
