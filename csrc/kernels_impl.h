@@ -344,34 +344,25 @@ __attribute__((always_inline)) inline __m256i crow16(const char* const* T, const
   return _mm256_setr_epi32(w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]);
 }
 
-// 32 channels' values of one token's channel codes (L channels per code; codes row[0 .. 32 / L), groups g0 ..)
-// as 32 fp16 in one gather: group e's entry r lies (e * kc + r) * 2L bytes from the head's first table cb.  One
-// vpgather for the 32 / L scalar index loads, loads and shuffles of two crow16 (~1/4 less time in a
+// 32 channels' values of one token's channel codes (L = 2 or 4 channels per code; codes row[0 .. 32 / L), groups
+// g0 ..) as 32 fp16 in one gather: group e's entry r lies (e * kc + r) * 2L bytes from the head's first table cb.
+// One vpgather for the 32 / L scalar index loads, loads and shuffles of two crow16 (~1/4 less time in a
 // channel-chunked K's decode, SmolLM2's shape; gathers are not slowed by a GDS mitigation on the CPUs with AVX-512
-// FP16 / AMX.  Channel-chunked V keeps crow16: its gathers measured no faster there)
+// FP16 / AMX).  Channel-chunked V at L = 4 and every 8-channel code keep crow16: gathers measured no faster there
+// (L = 8, 16-byte entries as qword pairs: slower)
 template <int L>
 __attribute__((always_inline)) inline __m512i crow32(const uint16_t* cb, int kc, const uint8_t* row, int g0) {
+  static_assert(L == 2 || L == 4, "crow32: 2 or 4 channels per code");
   if (L == 2) {  // 16 entries of 4 bytes
     const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
     const __m512i grp = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                          _mm512_set1_epi32(g0));
     return _mm512_i32gather_epi32(_mm512_add_epi32(codes, _mm512_mullo_epi32(grp, _mm512_set1_epi32(kc))), cb, 4);
   }
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  if (L == 4) {  // 8 entries of 8 bytes
-    const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row)));
-    const __m256i grp = _mm256_add_epi32(lane, _mm256_set1_epi32(g0));
-    return _mm512_i32gather_epi64(_mm256_add_epi32(codes, _mm256_mullo_epi32(grp, _mm256_set1_epi32(kc))),
-                                  reinterpret_cast<const long long*>(cb), 8);
-  }
-  // L == 8: 4 entries of 16 bytes, as 8 qwords (entry e's two halves: qwords 2 (e * kc + r) and the next)
-  int32_t c4;
-  __builtin_memcpy(&c4, row, 4);
-  const __m256i half = _mm256_and_si256(lane, _mm256_set1_epi32(1)), e = _mm256_srli_epi32(lane, 1);
-  const __m256i codes = _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi32_si128(c4)), e);
-  const __m256i ent = _mm256_add_epi32(codes, _mm256_mullo_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(g0)),
-                                                                    _mm256_set1_epi32(kc)));
-  return _mm512_i32gather_epi64(_mm256_add_epi32(_mm256_add_epi32(ent, ent), half),
+  // L == 4: 8 entries of 8 bytes
+  const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row)));
+  const __m256i grp = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(g0));
+  return _mm512_i32gather_epi64(_mm256_add_epi32(codes, _mm256_mullo_epi32(grp, _mm256_set1_epi32(kc))),
                                 reinterpret_cast<const long long*>(cb), 8);
 }
 inline vf lo16(__m512i h) { return (vf)_mm512_cvtph_ps(_mm512_castsi512_si256(h)); }
@@ -1135,15 +1126,19 @@ inline void pv_channel_z(float* acc, int64_t astride, const float* p, const uint
       for (int t = 0; t < BLOCK; ++t, row += G) {
         vf z[CH];
 #if TKV_W == 16
-        if (L == 2 && CH % 2 == 0 && gathers) {  // two chunks per gather (crow32)
-          for (int k = 0; k < CH; k += 2) {
-            const __m512i hh = crow32<L>(cb, (int)(gstride / L), row + (c0 + k * W) / L, (c0 + k * W) / L);
-            z[k] = lo16(hh);
-            z[k + 1] = hi16(hh);
+        bool done = false;
+        if constexpr (L == 2 && CH % 2 == 0) {
+          if (gathers) {  // two chunks per gather (crow32)
+            for (int k = 0; k < CH; k += 2) {
+              const __m512i hh = crow32<L>(cb, (int)(gstride / L), row + (c0 + k * W) / L, (c0 + k * W) / L);
+              z[k] = lo16(hh);
+              z[k + 1] = hi16(hh);
+            }
+            done = true;
           }
-        } else {
-          for (int k = 0; k < CH; ++k) z[k] = (vf)_mm512_cvtph_ps(crow16<L>(T[k], row + (c0 + k * W) / L));
         }
+        if (!done)
+          for (int k = 0; k < CH; ++k) z[k] = (vf)_mm512_cvtph_ps(crow16<L>(T[k], row + (c0 + k * W) / L));
 #else
         for (int k = 0; k < CH; ++k) z[k] = crow<L>(cb, gstride, row, c0 + k * W);
 #endif
@@ -1350,31 +1345,33 @@ inline void kqk_channel_fast(float* sc, const float* qr, int g, Codes kc, const 
   const int D = DC ? DC : D_;
   const int HD = D / 2, G = D / L;
   constexpr int NG = W / L;  // channel groups per W channels
-  if (L <= 4 && HD % (2 * W) == 0 && g_gathers) {  // 2 x 32 channels (c, c + D/2) per token in two gathers
-    const int kcn = (int)(gstride / L);
-    for (int t0 = 0; t0 < DTILE; t0 += W) {
-      for (int c = 0; c < HD; c += 2 * W) {
-        const vf sa = vload(kstd + c), ma = vload(kmean + c), sb = vload(kstd + c + W), mb = vload(kmean + c + W);
-        const vf sa1 = vload(kstd + c + HD), ma1 = vload(kmean + c + HD), sb1 = vload(kstd + c + HD + W),
-                 mb1 = vload(kmean + c + HD + W);
-        for (int u = 0; u < W; ++u) {
-          const int t = t0 + u;
-          const uint8_t* row = kc(t / BLOCK) + (t % BLOCK) * G;
-          const __m512i h0 = crow32<L>(cb, kcn, row + c / L, c / L);
-          const __m512i h1 = crow32<L>(cb, kcn, row + (c + HD) / L, (c + HD) / L);
-          const vf k0a = vfma(lo16(h0), sa, ma), k0b = vfma(hi16(h0), sb, mb);
-          const vf k1a = vfma(lo16(h1), sa1, ma1), k1b = vfma(hi16(h1), sb1, mb1);
-          const vf cca = vload(rcos + t * HD + c), ssa = vload(rsin + t * HD + c);
-          const vf ccb = vload(rcos + t * HD + c + W), ssb = vload(rsin + t * HD + c + W);
-          vstore(rows + u * D + c, vfma(k0a, cca, -(k1a * ssa)));
-          vstore(rows + u * D + c + HD, vfma(k1a, cca, k0a * ssa));
-          vstore(rows + u * D + c + W, vfma(k0b, ccb, -(k1b * ssb)));
-          vstore(rows + u * D + c + W + HD, vfma(k1b, ccb, k0b * ssb));
+  if constexpr (L <= 4) {
+    if (HD % (2 * W) == 0 && g_gathers) {  // 2 x 32 channels (c, c + D/2) per token in two gathers
+      const int kcn = (int)(gstride / L);
+      for (int t0 = 0; t0 < DTILE; t0 += W) {
+        for (int c = 0; c < HD; c += 2 * W) {
+          const vf sa = vload(kstd + c), ma = vload(kmean + c), sb = vload(kstd + c + W), mb = vload(kmean + c + W);
+          const vf sa1 = vload(kstd + c + HD), ma1 = vload(kmean + c + HD), sb1 = vload(kstd + c + HD + W),
+                   mb1 = vload(kmean + c + HD + W);
+          for (int u = 0; u < W; ++u) {
+            const int t = t0 + u;
+            const uint8_t* row = kc(t / BLOCK) + (t % BLOCK) * G;
+            const __m512i h0 = crow32<L>(cb, kcn, row + c / L, c / L);
+            const __m512i h1 = crow32<L>(cb, kcn, row + (c + HD) / L, (c + HD) / L);
+            const vf k0a = vfma(lo16(h0), sa, ma), k0b = vfma(hi16(h0), sb, mb);
+            const vf k1a = vfma(lo16(h1), sa1, ma1), k1b = vfma(hi16(h1), sb1, mb1);
+            const vf cca = vload(rcos + t * HD + c), ssa = vload(rsin + t * HD + c);
+            const vf ccb = vload(rcos + t * HD + c + W), ssb = vload(rsin + t * HD + c + W);
+            vstore(rows + u * D + c, vfma(k0a, cca, -(k1a * ssa)));
+            vstore(rows + u * D + c + HD, vfma(k1a, cca, k0a * ssa));
+            vstore(rows + u * D + c + W, vfma(k0b, ccb, -(k1b * ssb)));
+            vstore(rows + u * D + c + W + HD, vfma(k1b, ccb, k0b * ssb));
+          }
         }
+        rows_dot16(sc, qr, g, D, t0, rows);
       }
-      rows_dot16(sc, qr, g, D, t0, rows);
+      return;
     }
-    return;
   }
   for (int t0 = 0; t0 < DTILE; t0 += W) {
     for (int c = 0; c < HD; c += W) {

@@ -177,7 +177,8 @@ def test_cpp_qjl_write_is_the_torch_path(case):
     where its rounding bound cannot decide -, the outlier channels, the norms; the values' affine codes) against the
     torch path through chunked prefills and decode steps: the same page bytes on every ISA.  Keys tiny enough
     (~1e-33) that every sign goes to the float64 sums, keys zero off their outlier channels (S k_in = 0: sign bit
-    0) or ~1e-12 of them there, and zero keys (every channel's sum of squares tied: the lowest channels) are written too."""
+    0) or ~1e-12 of them there, and zero keys (every channel's sum of squares tied: the lowest channels) are
+    written too."""
     fmt, D, dtype, window, bs, layer = case
     H = 2
     lc = make_cache(fmt, D, False, dtype, layer, H=H, GQ=1, block_size=bs, window=window)
