@@ -41,6 +41,12 @@ inline vf vfma(vf a, vf b, vf c) {
   return a * b + c;  // (two roundings: -ffp-contract=off; no FMA unit assumed)
 #endif
 }
+// RoPE on W channel pairs (k0 at channel c, k1 at c + D/2) by cos cc / sin ss, stored at p0 / p1: the rotation
+// every fast decode path applies to its decoded keys (the same float32 ops in each)
+inline void rope_store(float* p0, float* p1, vf k0, vf k1, vf cc, vf ss) {
+  vstore(p0, vfma(k0, cc, -(k1 * ss)));
+  vstore(p1, vfma(k1, cc, k0 * ss));
+}
 inline vi iota() {  // 0, 1, ..., W - 1
   vi v;
   for (int i = 0; i < W; ++i) v[i] = i;
@@ -1191,8 +1197,7 @@ inline void ktile_fast(float* KT, Codes kc, const uint16_t* gb0, int64_t gstride
       const vf k0 = vfma(tvec<L>(g0, kc, t, D, c), sd0, mn0);
       const vf k1 = vfma(tvec<L>(g1, kc, t, D, c + HD), sd1, mn1);
       const vf cc = vload(dcos + c * DTILE + t), ss = vload(dsin + c * DTILE + t);
-      vstore(KT + c * DTILE + t, vfma(k0, cc, -(k1 * ss)));
-      vstore(KT + (c + HD) * DTILE + t, vfma(k1, cc, k0 * ss));
+      rope_store(KT + c * DTILE + t, KT + (c + HD) * DTILE + t, k0, k1, cc, ss);
     }
   }
 }
@@ -1292,8 +1297,7 @@ inline void ktile_channel_fast(float* KT, const uint8_t* const* kc, const uint16
       const vf k0 = vfma(crow<L>(cb, gstride, row, c), sd0, mn0);
       const vf k1 = vfma(crow<L>(cb, gstride, row, c + HD), sd1, mn1);
       const vf cc = vload(rcos + t * HD + c), ss = vload(rsin + t * HD + c);
-      vstore(tmp + t * D + c, vfma(k0, cc, -(k1 * ss)));
-      vstore(tmp + t * D + c + HD, vfma(k1, cc, k0 * ss));
+      rope_store(tmp + t * D + c, tmp + t * D + c + HD, k0, k1, cc, ss);
     }
   }
   for (int b = 0; b < DTILE / BLOCK; ++b) rows_to_cols(tmp + b * BLOCK * D, D, KT + b * BLOCK, DTILE, D);
@@ -1362,10 +1366,8 @@ inline void kqk_channel_fast(float* sc, const float* qr, int g, Codes kc, const 
             const vf k1a = vfma(lo16(h1), sa1, ma1), k1b = vfma(hi16(h1), sb1, mb1);
             const vf cca = vload(rcos + t * HD + c), ssa = vload(rsin + t * HD + c);
             const vf ccb = vload(rcos + t * HD + c + W), ssb = vload(rsin + t * HD + c + W);
-            vstore(rows + u * D + c, vfma(k0a, cca, -(k1a * ssa)));
-            vstore(rows + u * D + c + HD, vfma(k1a, cca, k0a * ssa));
-            vstore(rows + u * D + c + W, vfma(k0b, ccb, -(k1b * ssb)));
-            vstore(rows + u * D + c + W + HD, vfma(k1b, ccb, k0b * ssb));
+            rope_store(rows + u * D + c, rows + u * D + c + HD, k0a, k1a, cca, ssa);
+            rope_store(rows + u * D + c + W, rows + u * D + c + W + HD, k0b, k1b, ccb, ssb);
           }
         }
         rows_dot16(sc, qr, g, D, t0, rows);
@@ -1388,8 +1390,7 @@ inline void kqk_channel_fast(float* sc, const float* qr, int g, Codes kc, const 
         const vf k0 = vfma((vf)_mm512_cvtph_ps(crow16<L>(T0, row + c / L)), sd0, mn0);
         const vf k1 = vfma((vf)_mm512_cvtph_ps(crow16<L>(T1, row + (c + HD) / L)), sd1, mn1);
         const vf cc = vload(rcos + t * HD + c), ss = vload(rsin + t * HD + c);
-        vstore(rows + u * D + c, vfma(k0, cc, -(k1 * ss)));
-        vstore(rows + u * D + c + HD, vfma(k1, cc, k0 * ss));
+        rope_store(rows + u * D + c, rows + u * D + c + HD, k0, k1, cc, ss);
       }
     }
     rows_dot16(sc, qr, g, D, t0, rows);
@@ -1410,8 +1411,7 @@ inline void row_scores16(float* sc, const float* qr, int g, int D, int t0, float
     const int t = t0 + u;
     for (int c = 0; c < HD; c += W) {
       const vf k0 = vload(r + c), k1 = vload(r + c + HD), cc = vload(rcos + t * HD + c), ss = vload(rsin + t * HD + c);
-      vstore(r + c, vfma(k0, cc, -(k1 * ss)));
-      vstore(r + c + HD, vfma(k1, cc, k0 * ss));
+      rope_store(r + c, r + c + HD, k0, k1, cc, ss);
     }
   }
   rows_dot16(sc, qr, g, D, t0, rows);
@@ -1764,8 +1764,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
           for (int t = 0; t < DTILE; t += W) {
             const vf k0 = vfma(vload(x0 + t), sd0, mn0), k1 = vfma(vload(x1 + t), sd1, mn1);
             const vf cc = vload(dc + t), ss = vload(ds + t);
-            vstore(x0 + t, vfma(k0, cc, -(k1 * ss)));
-            vstore(x1 + t, vfma(k1, cc, k0 * ss));
+            rope_store(x0 + t, x1 + t, k0, k1, cc, ss);
           }
         }
       }
