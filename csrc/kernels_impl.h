@@ -74,14 +74,20 @@ inline float hmax(vf v) {
 inline uint32_t f2u(float f) { uint32_t u; __builtin_memcpy(&u, &f, 4); return u; }
 inline float u2f(uint32_t u) { float f; __builtin_memcpy(&f, &u, 4); return f; }
 
-// exp for the softmax (Cephes polynomial, ~1 ulp); inputs <= 0 here, clamped below at -87.
+// exp for the softmax (Cephes polynomial, ~1 ulp); inputs <= 0 here, clamped below at -87.  On AVX-512 the floor
+// is one VRNDSCALEPS and the power of two one VSCALEFPS (p * 2^n rounded once, as p * (float)2^n is): the same
+// values in 15 instructions instead of 22 (the softmax exps are ~a quarter of a bf16 prefill chunk's attention).
 inline vf vexp(vf x) {
   x = vmin(vmax(x, vbc(-87.0f)), vbc(88.0f));
   vf t = vfma(x, vbc(1.44269504088896341f), vbc(0.5f));
+#if TKV_W == 16
+  const vf tf = (vf)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#else
   vi ti = __builtin_convertvector(t, vi);  // truncation
   vf tf = __builtin_convertvector(ti, vf);
   ti = ti + (vi)(tf > t);  // floor: -1 where truncation rounded up
   tf = __builtin_convertvector(ti, vf);
+#endif
   vf r = vfma(tf, vbc(-0.693359375f), x);
   r = vfma(tf, vbc(2.12194440e-4f), r);
   vf p = vbc(1.9875691500e-4f);
@@ -91,10 +97,14 @@ inline vf vexp(vf x) {
   p = vfma(p, r, vbc(1.6666665459e-1f));
   p = vfma(p, r, vbc(5.0000001201e-1f));
   p = vfma(p, r * r, r + vbc(1.0f));
+#if TKV_W == 16
+  return (vf)_mm512_scalef_ps((__m512)p, (__m512)tf);
+#else
   vi e = (ti + 127) << 23;
   vf s;
   __builtin_memcpy(&s, &e, sizeof s);
   return p * s;
+#endif
 }
 
 // ---- half precision <-> float (round to nearest even, as torch's casts) ------------------------
