@@ -12,8 +12,9 @@
 // order per key; keys in 32-token tiles at absolute positions, tiles in order; per tile the running max, exp
 // of the valid lanes (others exactly 0), the tile's weights added lane-wise into a vector of partial sums (reduced
 // once, at the end: a horizontal sum per row and tile was ~a fifth of the kernel - the same chunk as below, 71 ->
-// 61 ms), then V accumulated key by key in order with FMAs.  A tile a query sees nothing of is skipped (adding exact zeros would change
-// nothing).  Which of the two sources a key comes from depends only on the query's own position.
+// 61 ms), then V accumulated key by key in order with FMAs.  A tile a query sees nothing of is skipped (adding
+// exact zeros would change nothing).  Which of the two sources a key comes from depends only on the query's own
+// position.
 
 constexpr int PF_RB = 4;     // rows per score micro-block
 
