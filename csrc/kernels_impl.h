@@ -508,12 +508,14 @@ inline void dec_scaled_rows(const Codec& cd, int D, const uint8_t* codes, const 
 template <int BITS>
 inline void dec_affine_rows(const Codec& cd, int D, const uint8_t* codes, const uint16_t* par, float* dst, int ld) {
   const Unpack<BITS> un;
-  const int rowb = D * BITS / 8, G = D / cd.group;
+  const int rowb = D * BITS / 8, G = D / cd.group;  // (W divides the group: 32 | 128 or the whole head)
+  float pf[BLOCK * 2 * (MAX_D / W)];  // the block's scales and mins, converted W at a time (not one by one)
+  half_to_f32(pf, par, BLOCK * 2 * G, 0);
   for (int t = 0; t < BLOCK; ++t) {
     const uint8_t* row = codes + (int64_t)t * rowb;
-    const uint16_t* pt = par + (int64_t)t * 2 * G;
-    for (int gi = 0; gi < G; ++gi) {  // (W divides the group: 32 | 128 or the whole head)
-      const vf sc = vbc(fp16_to_f32(pt[gi])), mn = vbc(fp16_to_f32(pt[G + gi]));  // once per group, not per vector
+    const float* pt = pf + t * 2 * G;
+    for (int gi = 0; gi < G; ++gi) {
+      const vf sc = vbc(pt[gi]), mn = vbc(pt[G + gi]);  // once per group, not per vector
       for (int c0 = gi * cd.group; c0 < (gi + 1) * cd.group; c0 += W)
         vstore(dst + (int64_t)t * ld + c0, __builtin_convertvector(un(row, c0), vf) * sc + mn);
     }
@@ -754,6 +756,27 @@ inline float hsum_any(vf v) {
 #endif
 }
 
+#if TKV_W == 16
+// out[u] = the sum of p[u]'s 16 lanes, for 16 vectors at once (a transpose-and-add tree: 45 vector ops)
+inline vf hsum16(const vf* p) {
+  __m512 a[8], b[4];
+  for (int k = 0; k < 8; ++k) {
+    const __m512 x = (__m512)p[2 * k], y = (__m512)p[2 * k + 1];
+    a[k] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512d x = _mm512_castps_pd(a[2 * m]), y = _mm512_castps_pd(a[2 * m + 1]);
+    b[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return (vf)_mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
 // out[i] = <s + i * ss, the signs of row> over n sketch rows, GB query heads (each row's signs built once)
 template <int GB>
 inline void qjl_dots(const float* s, int ss, const uint8_t* row, int n, vi lanebit, float* out) {
@@ -767,34 +790,33 @@ inline void qjl_dots(const float* s, int ss, const uint8_t* row, int n, vi laneb
   for (int i = 0; i < GB; ++i) out[i] = hsum_any(acc[i]);
 }
 
-// the scores out[i * DTILE] = ai <s_i[:m], signs of rin> + ao <s_i[m:m + mo], signs of rout> of one key for GB query
-// heads (s_i = s + i * ss): the signs carry the token's factors, so each score is one sum (one horizontal add)
-template <int GB>
-inline void qjl_scores(const float* s, int ss, int m, int mo, const uint8_t* rin, const uint8_t* rout, float ai,
-                       float ao, vi lanebit, float* out) {
-  vf acc[GB];
-  for (int i = 0; i < GB; ++i) acc[i] = vf{};
-  const vf pi = vbc(ai), ni = vbc(-ai), po = vbc(ao), no = vbc(-ao);
-  for (int j = 0; j < m; j += W) {
-    const vf sg = qjl_signs(rin, j, lanebit, pi, ni);
-    for (int i = 0; i < GB; ++i) acc[i] = vfma(vload(s + i * ss + j), sg, acc[i]);
-  }
-  for (int j = 0; j < mo; j += W) {
-    const vf sg = qjl_signs(rout, j, lanebit, po, no);
-    for (int i = 0; i < GB; ++i) acc[i] = vfma(vload(s + i * ss + m + j), sg, acc[i]);
-  }
-  for (int i = 0; i < GB; ++i) out[i * DTILE] = hsum_any(acc[i]);
-}
-
-// Sq[i] = S qr[i] ([g][m]) from S^T [D][m]
+// Sq[i] = S qr[i] ([g][m]) from S^T [D][m]: channels outer, 4 vectors of rows at a time (4 independent chains; one
+// vector at a time the multiply-adds waited on each other)
 inline void qjl_sketch_queries(const Codec& K, int D, int g, const float* qr, float* Sq) {
   const int m = K.chunk;
-  for (int i = 0; i < g; ++i)
-    for (int j = 0; j < m; j += W) {
+  for (int i = 0; i < g; ++i) {
+    int j = 0;
+    for (; j + 4 * W <= m; j += 4 * W) {
+      vf a0 = vf{}, a1 = vf{}, a2 = vf{}, a3 = vf{};
+      for (int c = 0; c < D; ++c) {
+        const vf x = vbc(qr[i * D + c]);
+        const float* r = K.cent + (int64_t)c * m + j;
+        a0 = vfma(x, vload(r), a0);
+        a1 = vfma(x, vload(r + W), a1);
+        a2 = vfma(x, vload(r + 2 * W), a2);
+        a3 = vfma(x, vload(r + 3 * W), a3);
+      }
+      vstore(Sq + i * m + j, a0);
+      vstore(Sq + i * m + j + W, a1);
+      vstore(Sq + i * m + j + 2 * W, a2);
+      vstore(Sq + i * m + j + 3 * W, a3);
+    }
+    for (; j < m; j += W) {
       vf acc = vf{};
       for (int c = 0; c < D; ++c) acc = vfma(vbc(qr[i * D + c]), vload(K.cent + (int64_t)c * m + j), acc);
       vstore(Sq + i * m + j, acc);
     }
+  }
 }
 
 // lane i's bit of a sign row's W-bit slice (qjl_signs' mask off AVX-512)
@@ -825,55 +847,134 @@ struct QjlBlock {
   }
 };
 
+// acc + s in the lanes whose sign bits j0 .. j0 + W - 1 of a packed sign row are set (1 = positive)
+inline vf add_where(vf acc, vf s, const uint8_t* row, int j0, vi lanebit) {
+#if TKV_W == 16
+  // the 16 bits are the add's mask register as they lie (through a general register: a mask register loaded
+  // straight from memory measured ~20% slower on an AMD EPYC)
+  uint16_t m;
+  __builtin_memcpy(&m, row + j0 / 8, 2);
+  return (vf)_mm512_mask_add_ps((__m512)acc, (__mmask16)m, (__m512)acc, (__m512)s);
+#else
+  uint32_t w = 0;
+  __builtin_memcpy(&w, row + j0 / 8, W >= 8 ? W / 8 : 1);
+  if (W < 8) w >>= j0 % 8;
+  return ((vi{} + (int32_t)w) & lanebit) != 0 ? acc + s : acc;
+#endif
+}
+
+// A block's 8 keys at once, GB query heads at once: out[i * BLOCK + t] = the lane-wise sums of s_i[j] (s_i = s + i *
+// ss, j < n) over the sketch rows where token t's signs (rows + t * rs) are positive.  Each head's W sketch values are
+// loaded once for the 8 tokens, and the 8 x GB sums are independent chains of masked adds (one key at a time, the
+// chains were too few to hide the adds' latency).
+template <int GB>
+inline void qjl_pos_sums(const float* s, int ss, int n, const uint8_t* rows, int rs, vi lanebit, vf* out) {
+  vf acc[BLOCK][GB];
+  for (int t = 0; t < BLOCK; ++t)
+    for (int i = 0; i < GB; ++i) acc[t][i] = vf{};
+  for (int j = 0; j < n; j += W) {
+    vf sv[GB];
+    for (int i = 0; i < GB; ++i) sv[i] = vload(s + i * ss + j);
+    for (int t = 0; t < BLOCK; ++t)
+      for (int i = 0; i < GB; ++i) acc[t][i] = add_where(acc[t][i], sv[i], rows + t * rs, j, lanebit);
+  }
+  for (int i = 0; i < GB; ++i)
+    for (int t = 0; t < BLOCK; ++t) out[i * BLOCK + t] = acc[t][i];
+}
+
+// The scores o[i * DTILE + t] of a block's 8 keys for GB query heads (sketches s_i = s + i * ss: m inlier then m_o
+// outlier values; tot[2i], tot[2i + 1]: their sums).  A signed sum is twice the sum over the positive signs minus the
+// total, so each sign costs one masked add and the token's factors ai[t] / ao[t] come after the sums:
+//   ai[t] (2 P_in - tot_in) + ao[t] (2 P_out - tot_out)
+// (float32 rounding of the same sums in another order than the torch path's: the scores agree to float32 rounding)
+template <int GB>
+inline void qjl_scores8(const float* s, int ss, int m, int mo, const QjlBlock& qb, const float* af, const float* tot,
+                        vi lanebit, float* o) {
+  vf pin[GB * BLOCK], pout[GB * BLOCK];
+  qjl_pos_sums<GB>(s, ss, m, qb.in, m / 8, lanebit, pin);
+  qjl_pos_sums<GB>(s + m, ss, mo, qb.out, mo / 8, lanebit, pout);
+#if TKV_W == 16
+  // the 16 vectors' sums at once (lanes 0-7 the inlier sums, 8-15 the outlier sums), scaled lane-wise by the tokens'
+  // factors (f: ai then ao) and the two halves added
+  const vf f = vload(af);
+  for (int i = 0; i < GB; ++i) {
+    vf v[16];
+    for (int t = 0; t < BLOCK; ++t) v[t] = pin[i * BLOCK + t], v[BLOCK + t] = pout[i * BLOCK + t];
+    const vf r = hsum16(v);
+    const __m512 tt = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(tot[2 * i]), _mm512_set1_ps(tot[2 * i + 1]));
+    const __m512 x = _mm512_mul_ps((__m512)f, _mm512_sub_ps(_mm512_add_ps((__m512)r, (__m512)r), tt));
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+    _mm256_storeu_ps(o + i * DTILE, _mm256_add_ps(_mm512_castps512_ps256(x), hi));
+  }
+#else
+  for (int i = 0; i < GB; ++i) {
+    float pi[BLOCK], po[BLOCK];
+    for (int t = 0; t < BLOCK; ++t) pi[t] = hsum_any(pin[i * BLOCK + t]), po[t] = hsum_any(pout[i * BLOCK + t]);
+    const float ti = tot[2 * i], to = tot[2 * i + 1];
+    for (int t = 0; t < BLOCK; ++t) o[i * DTILE + t] = af[t] * (2.f * pi[t] - ti) + af[BLOCK + t] * (2.f * po[t] - to);
+  }
+#endif
+}
+
+// A block's sketches of GB query heads (q_i = qr + i * D, S q_i = Sq + i * m): s_in = S q - S q_M (the first m of
+// s_i = sb + i * ss), s_out = S_o q_M (the next m_o), and their sums tot[2i], tot[2i + 1] (q_M: q on the block's 8
+// outlier channels, columns col of S).  j outer, heads inner: each column vector is loaded once for GB heads (the
+// loads, not the multiply-adds, bounded one head at a time).
+template <int GB>
+inline void qjl_adjust(const float* const* col, const uint8_t* oc, int D, int m, int mo, const float* qr,
+                       const float* Sq, float* sb, int ss, float* tot) {
+  vf qv[GB][QJL_OUTLIERS];
+  for (int i = 0; i < GB; ++i)
+    for (int o = 0; o < QJL_OUTLIERS; ++o) qv[i][o] = vbc(oc[o] < D ? qr[i * D + oc[o]] : 0.f);
+  vf tin[GB], tout[GB];
+  for (int i = 0; i < GB; ++i) tin[i] = tout[i] = vf{};
+  for (int j = 0; j < m; j += W) {  // (m, m_o: multiples of 32; m_o <= m)
+    vf c[QJL_OUTLIERS];
+    for (int o = 0; o < QJL_OUTLIERS; ++o) c[o] = vload(col[o] + j);
+    for (int i = 0; i < GB; ++i) {
+      vf a = qv[i][0] * c[0], b = qv[i][1] * c[1];  // two chains of multiply-adds
+      for (int o = 2; o < QJL_OUTLIERS; o += 2) {
+        a = vfma(qv[i][o], c[o], a);
+        b = vfma(qv[i][o + 1], c[o + 1], b);
+      }
+      const vf u = a + b, si = vload(Sq + i * m + j) - u;
+      vstore(sb + i * ss + j, si);
+      tin[i] += si;
+      if (j < mo) {
+        vstore(sb + i * ss + m + j, u);
+        tout[i] += u;
+      }
+    }
+  }
+  for (int i = 0; i < GB; ++i) tot[2 * i] = hsum_any(tin[i]), tot[2 * i + 1] = hsum_any(tout[i]);
+}
+
 // the scores sc[i * DTILE + c0 + t] of one block's 8 keys (blk) for g query heads qr (already scaled), Sq = S qr;
-// sb: scratch of g * (m + m_o) floats
+// sb: scratch of g * (m + m_o + 2) floats, the block's adjusted sketches and their sums
 inline void qjl_block(const Codec& K, int D, int g, const float* qr, const float* Sq, const uint8_t* blk, float* sb,
                       float* sc, int c0, vi lanebit) {
   const QjlBlock qb(K, blk);
   const int m = qb.m, mo = qb.mo, ms = m + mo;
+  float* tot = sb + g * ms;  // [g][2]: the sums of s_in and s_out
   const uint8_t* oc = qb.oc;
-  // the outlier channels' columns of S (written blocks name distinct channels < D; another byte reads column 0 with
-  // a zero coefficient), 8 of them always: a fixed trip count, two chains of multiply-adds per pair of vectors
-  const float* col[QJL_OUTLIERS];
-  for (int o = 0; o < QJL_OUTLIERS; ++o) col[o] = K.cent + (int64_t)(oc[o] < D ? oc[o] : 0) * m;
-  for (int i = 0; i < g; ++i) {  // s_in = S q - S q_M (first m), s_out = S_o q_M (next m_o)
-    float* si = sb + i * ms;
-    const float* qi = qr + i * D;
-    float qv[QJL_OUTLIERS];
-    for (int o = 0; o < QJL_OUTLIERS; ++o) qv[o] = oc[o] < D ? qi[oc[o]] : 0.f;
-    for (int j = 0; j < m; j += 2 * W) {  // (m, m_o: multiples of 32)
-      vf a0 = vf{}, a1 = vf{}, b0 = vf{}, b1 = vf{};
-      for (int o = 0; o < QJL_OUTLIERS; o += 2) {
-        const vf x = vbc(qv[o]), y = vbc(qv[o + 1]);
-        a0 = vfma(x, vload(col[o] + j), a0);
-        a1 = vfma(x, vload(col[o] + j + W), a1);
-        b0 = vfma(y, vload(col[o + 1] + j), b0);
-        b1 = vfma(y, vload(col[o + 1] + j + W), b1);
-      }
-      const vf u0 = a0 + b0, u1 = a1 + b1;
-      vstore(si + j, vload(Sq + i * m + j) - u0);
-      vstore(si + j + W, vload(Sq + i * m + j + W) - u1);
-      if (j < mo) {
-        vstore(si + m + j, u0);
-        vstore(si + m + j + W, u1);
-      }
-    }
-  }
-  for (int t = 0; t < BLOCK; ++t) {
-    float ai, ao;
-    qb.factors(t, &ai, &ao);
-    const uint8_t* rin = qb.in + t * (m / 8);
-    const uint8_t* rout = qb.out + t * (mo / 8);
-    float* o = sc + c0 + t;
+  {
+    // the outlier channels' columns of S (written blocks name distinct channels < D; another byte reads column 0
+    // with a zero coefficient)
+    const float* col[QJL_OUTLIERS];
+    for (int o = 0; o < QJL_OUTLIERS; ++o) col[o] = K.cent + (int64_t)(oc[o] < D ? oc[o] : 0) * m;
+    constexpr int GA = W == 16 ? 3 : 1;  // query heads at a time: the columns' vectors loaded once for GA heads
     int i = 0;
-    for (; i + 4 <= g; i += 4) qjl_scores<4>(sb + i * ms, ms, m, mo, rin, rout, ai, ao, lanebit, o + i * DTILE);
-    switch (g - i) {
-      case 3: qjl_scores<3>(sb + i * ms, ms, m, mo, rin, rout, ai, ao, lanebit, o + i * DTILE); break;
-      case 2: qjl_scores<2>(sb + i * ms, ms, m, mo, rin, rout, ai, ao, lanebit, o + i * DTILE); break;
-      case 1: qjl_scores<1>(sb + i * ms, ms, m, mo, rin, rout, ai, ao, lanebit, o + i * DTILE); break;
-      default: break;
-    }
+    for (; i + GA <= g; i += GA) qjl_adjust<GA>(col, oc, D, m, mo, qr + i * D, Sq + i * m, sb + i * ms, ms, tot + 2 * i);
+    for (; i < g; ++i) qjl_adjust<1>(col, oc, D, m, mo, qr + i * D, Sq + i * m, sb + i * ms, ms, tot + 2 * i);
   }
+  float af[2 * BLOCK];  // the tokens' factors: ai, then ao
+  for (int t = 0; t < BLOCK; ++t) qb.factors(t, af + t, af + BLOCK + t);
+  float* o = sc + c0;
+  constexpr int GB = W == 16 ? 3 : 1;  // query heads at a time: 8 x GB accumulators (of 32 vector registers)
+  int i = 0;
+  for (; i + GB <= g; i += GB)
+    qjl_scores8<GB>(sb + i * ms, ms, m, mo, qb, af, tot + 2 * i, lanebit, o + i * DTILE);
+  for (; i < g; ++i) qjl_scores8<1>(sb + i * ms, ms, m, mo, qb, af, tot + 2 * i, lanebit, o + i * DTILE);
 }
 
 // QJL's surrogate keys k_hat of one block's 8 tokens, rows dst[t * D + c] (codecs/qjl.py key_surrogate, what the
@@ -1314,25 +1415,6 @@ inline void ktile_channel_fast(float* KT, const uint8_t* const* kc, const uint16
 }
 
 #if TKV_W == 16
-// out[u] = the sum of p[u]'s 16 lanes, for 16 vectors at once (a transpose-and-add tree: 45 vector ops)
-inline vf hsum16(const vf* p) {
-  __m512 a[8], b[4];
-  for (int k = 0; k < 8; ++k) {
-    const __m512 x = (__m512)p[2 * k], y = (__m512)p[2 * k + 1];
-    a[k] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
-  }
-  for (int m = 0; m < 4; ++m) {
-    const __m512d x = _mm512_castps_pd(a[2 * m]), y = _mm512_castps_pd(a[2 * m + 1]);
-    b[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return (vf)_mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(2, 0, 2, 0)),
-                           _mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // sc[i][t0 + u] = <qr[i], rows[u]> for 16 decoded, rotated rows [16][D] and every query head: each row's products
 // summed over channels to one vector, the 16 vectors reduced at once (hsum16)
 inline void rows_dot16(float* sc, const float* qr, int g, int D, int t0, const float* rows) {
@@ -1517,13 +1599,14 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
   for (int i = 0; i < g * D; ++i) qr[i] = q[i] * a.scale;
   const int rmode = a.exact ? L.round : 2;  // rounding of decoded K/V to the model dtype
   const vi lane = iota();
-  // QJL's keys: the queries' sketches S qr (Sq), a block's adjusted ones (qsb); lanebit: lane i's bit of a sign row
+  // QJL's keys: the queries' sketches S qr (Sq), a block's adjusted ones and their sums (qsb); lanebit: lane i's bit
+  // of a sign row
   const bool qjl_k = a.k.method == QJL;
   float* Sq = nullptr;
   float* qsb = nullptr;
   const vi lanebit = lane_bits();
   if (qjl_k) {
-    Sq = static_cast<float*>(__builtin_alloca(sizeof(float) * (g * a.k.chunk + g * (a.k.chunk + a.k.kc))));
+    Sq = static_cast<float*>(__builtin_alloca(sizeof(float) * (g * a.k.chunk + g * (a.k.chunk + a.k.kc + 2))));
     qsb = Sq + g * a.k.chunk;
     qjl_sketch_queries(a.k, D, g, qr, Sq);
   }
