@@ -850,8 +850,8 @@ struct QjlBlock {
 // acc + s in the lanes whose sign bits j0 .. j0 + W - 1 of a packed sign row are set (1 = positive)
 inline vf add_where(vf acc, vf s, const uint8_t* row, int j0, vi lanebit) {
 #if TKV_W == 16
-  // the 16 bits are the add's mask register as they lie (through a general register: a mask register loaded
-  // straight from memory measured ~20% slower on an AMD EPYC)
+  // the 16 bits are the add's mask register as they lie (through a general register: loaded straight from memory
+  // into the mask register, a microbenchmark of this loop ran ~20% slower on an AMD EPYC)
   uint16_t m;
   __builtin_memcpy(&m, row + j0 / 8, 2);
   return (vf)_mm512_mask_add_ps((__m512)acc, (__mmask16)m, (__m512)acc, (__m512)s);
@@ -918,8 +918,7 @@ inline void qjl_scores8(const float* s, int ss, int m, int mo, const QjlBlock& q
 
 // A block's sketches of GB query heads (q_i = qr + i * D, S q_i = Sq + i * m): s_in = S q - S q_M (the first m of
 // s_i = sb + i * ss), s_out = S_o q_M (the next m_o), and their sums tot[2i], tot[2i + 1] (q_M: q on the block's 8
-// outlier channels, columns col of S).  j outer, heads inner: each column vector is loaded once for GB heads (the
-// loads, not the multiply-adds, bounded one head at a time).
+// outlier channels, columns col of S).  j outer, heads inner: each column vector is loaded once for GB heads.
 template <int GB>
 inline void qjl_adjust(const float* const* col, const uint8_t* oc, int D, int m, int mo, const float* qr,
                        const float* Sq, float* sb, int ss, float* tot) {
