@@ -729,18 +729,25 @@ inline void qk_tile_any(const float* qr, int g, int D, const float* KT, float* s
 // another order than the torch path's matmuls: the scores agree to float32 rounding, not bit for bit.
 constexpr float SQRT_HALF_PI = 1.2533141373155003f;  // sqrt(pi / 2)
 
-// pos where sketch rows j0 .. j0 + W - 1 of a packed sign row are positive, else neg (lanebit: 1 << lane)
+// lanes (all ones) where sketch rows j0 .. j0 + W - 1 of a packed sign row are positive (lanebit: 1 << lane) - the
+// sign tests off AVX-512, where the bits are a mask register as they lie
+inline vi sign_lanes(const uint8_t* row, int j0, vi lanebit) {
+  uint32_t w = 0;
+  __builtin_memcpy(&w, row + j0 / 8, W >= 8 ? W / 8 : 1);
+  if (W < 8) w >>= j0 % 8;
+  return ((vi{} + (int32_t)w) & lanebit) != 0;
+}
+
+// pos where sketch rows j0 .. j0 + W - 1 of a packed sign row are positive, else neg
 inline vf qjl_signs(const uint8_t* row, int j0, vi lanebit, vf pos, vf neg) {
 #if TKV_W == 16
   // AVX-512: the 16 sign bits are the blend's mask register as they lie (no broadcast, and, compare)
   uint16_t m;
   __builtin_memcpy(&m, row + j0 / 8, 2);
   return (vf)_mm512_mask_blend_ps((__mmask16)m, (__m512)neg, (__m512)pos);
+#else
+  return sign_lanes(row, j0, lanebit) ? pos : neg;
 #endif
-  uint32_t w = 0;
-  __builtin_memcpy(&w, row + j0 / 8, W >= 8 ? W / 8 : 1);
-  if (W < 8) w >>= j0 % 8;
-  return ((vi{} + (int32_t)w) & lanebit) != 0 ? pos : neg;
 }
 
 // a sum in any order (QJL's scores promise float32 rounding, not an order): a tree, not hsum's sequence
@@ -819,7 +826,7 @@ inline void qjl_sketch_queries(const Codec& K, int D, int g, const float* qr, fl
   }
 }
 
-// lane i's bit of a sign row's W-bit slice (qjl_signs' mask off AVX-512)
+// lane i's bit of a sign row's W-bit slice (sign_lanes' test off AVX-512)
 inline vi lane_bits() {
   vi b;
   for (int i = 0; i < W; ++i) b[i] = 1 << i;
@@ -856,10 +863,7 @@ inline vf add_where(vf acc, vf s, const uint8_t* row, int j0, vi lanebit) {
   __builtin_memcpy(&m, row + j0 / 8, 2);
   return (vf)_mm512_mask_add_ps((__m512)acc, (__mmask16)m, (__m512)acc, (__m512)s);
 #else
-  uint32_t w = 0;
-  __builtin_memcpy(&w, row + j0 / 8, W >= 8 ? W / 8 : 1);
-  if (W < 8) w >>= j0 % 8;
-  return ((vi{} + (int32_t)w) & lanebit) != 0 ? acc + s : acc;
+  return sign_lanes(row, j0, lanebit) ? acc + s : acc;
 #endif
 }
 
@@ -956,22 +960,20 @@ inline void qjl_block(const Codec& K, int D, int g, const float* qr, const float
   const int m = qb.m, mo = qb.mo, ms = m + mo;
   float* tot = sb + g * ms;  // [g][2]: the sums of s_in and s_out
   const uint8_t* oc = qb.oc;
-  {
-    // the outlier channels' columns of S (written blocks name distinct channels < D; another byte reads column 0
-    // with a zero coefficient)
-    const float* col[QJL_OUTLIERS];
-    for (int o = 0; o < QJL_OUTLIERS; ++o) col[o] = K.cent + (int64_t)(oc[o] < D ? oc[o] : 0) * m;
-    constexpr int GA = W == 16 ? 3 : 1;  // query heads at a time: the columns' vectors loaded once for GA heads
-    int i = 0;
-    for (; i + GA <= g; i += GA) qjl_adjust<GA>(col, oc, D, m, mo, qr + i * D, Sq + i * m, sb + i * ms, ms, tot + 2 * i);
-    for (; i < g; ++i) qjl_adjust<1>(col, oc, D, m, mo, qr + i * D, Sq + i * m, sb + i * ms, ms, tot + 2 * i);
-  }
+  // query heads at a time: the scores' 8 x GB accumulators (of 32 vector registers), the adjustment's column vectors
+  // loaded once for GB heads
+  constexpr int GB = W == 16 ? 3 : 1;
+  // the outlier channels' columns of S (written blocks name distinct channels < D; another byte reads column 0 with
+  // a zero coefficient)
+  const float* col[QJL_OUTLIERS];
+  for (int o = 0; o < QJL_OUTLIERS; ++o) col[o] = K.cent + (int64_t)(oc[o] < D ? oc[o] : 0) * m;
+  int i = 0;
+  for (; i + GB <= g; i += GB) qjl_adjust<GB>(col, oc, D, m, mo, qr + i * D, Sq + i * m, sb + i * ms, ms, tot + 2 * i);
+  for (; i < g; ++i) qjl_adjust<1>(col, oc, D, m, mo, qr + i * D, Sq + i * m, sb + i * ms, ms, tot + 2 * i);
   float af[2 * BLOCK];  // the tokens' factors: ai, then ao
   for (int t = 0; t < BLOCK; ++t) qb.factors(t, af + t, af + BLOCK + t);
   float* o = sc + c0;
-  constexpr int GB = W == 16 ? 3 : 1;  // query heads at a time: 8 x GB accumulators (of 32 vector registers)
-  int i = 0;
-  for (; i + GB <= g; i += GB)
+  for (i = 0; i + GB <= g; i += GB)
     qjl_scores8<GB>(sb + i * ms, ms, m, mo, qb, af, tot + 2 * i, lanebit, o + i * DTILE);
   for (; i < g; ++i) qjl_scores8<1>(sb + i * ms, ms, m, mo, qb, af, tot + 2 * i, lanebit, o + i * DTILE);
 }
