@@ -269,6 +269,29 @@ def test_tada_head_mean_shares_with_a_remainder(H):
         cpu.set_isa(before)
 
 
+@pytest.mark.parametrize("GQ", [3, 5])
+@pytest.mark.parametrize("H", [3, 8])
+def test_tada_decode_over_head_mean_shares(H, GQ):
+    """TaDA's fast decode (AVX-512: keys scored and values accumulated straight from the codes, each block's head
+    mean assembled from the heads' shares) where the shares are 22, 22 and 20 channels (3 heads: a share's last
+    vector overlapping the one before it) and 8 (8 heads: narrower than a vector, the rows' path), with 3 query heads
+    per KV head and 5 (more than the fused kernels take: the rows' path): every ISA, two splittings, against the
+    torch path within the model dtype's rounding."""
+    D = 64
+    lc = make_cache("tada-4bit", D, False, torch.bfloat16, 1, H=H, GQ=GQ, block_size=32, window=16)
+    pages, tables, q, key, val, sl, scale, ref, _ = _decode_case(lc, H, GQ, D)
+    before = cpu.isa()
+    try:
+        for isa in cpu.supported_isas():
+            cpu.set_isa(isa)
+            for split_tiles in (cpu.SPLIT_TILES, 1):
+                out = cpu.decode_attention(lc, pages, q, key, val, sl, tables, scale, split_tiles=split_tiles)
+                err = (out.float() - ref.float()).abs().max().item()
+                assert err <= 2 * _tol(lc.dtype, ref), (isa, split_tiles, err)
+    finally:
+        cpu.set_isa(before)
+
+
 def _decode_case(lc, H, GQ, D):
     """A decode step of every LENS request over pages the torch path wrote: the inputs, the torch path's output and
     the float64 oracle's (computed once: they dominate the cost)."""
