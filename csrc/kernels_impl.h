@@ -806,7 +806,7 @@ inline float hsum_any(vf v) {
 
 #if TKV_W == 16
 // out[u] = the sum of p[u]'s 16 lanes, for 16 vectors at once (a transpose-and-add tree: 45 vector ops)
-inline vf hsum16(const vf* p) {
+__attribute__((always_inline)) inline vf hsum16(const vf* p) {
   __m512 a[8], b[4];
   for (int k = 0; k < 8; ++k) {
     const __m512 x = (__m512)p[2 * k], y = (__m512)p[2 * k + 1];
@@ -1553,86 +1553,35 @@ inline void row_scores16(float* sc, const float* qr, int g, int D, int t0, float
 #endif
 
 #if TKV_W == 16
-// TaDA's keys of a tile scored without storing them (AVX-512, GB query heads; every head's share of the mean at
-// least W channels): per block its mean rows (tada_mean_rows) and parameters, then per token the row
-// mean - (code * scale + min) (tada_mean_minus's values) rotated by the token's offset (rcos/rsin: dcos/dsin as
-// rows) and dotted with each query head in registers, channel pairs (c, c + D/2) together (row_scores16's float32
-// ops, the sums in another order); 16 tokens' sums reduced at once (hsum16).  Blocks outside [v0, v1) score 0
-// (finite values whose softmax weights are exactly 0).  Decoding the rows, then rotating and scoring them
-// (row_scores16) stored and reloaded every key value twice.
-template <int BITS, int GB, int DC>
-inline void tada_kscores(const Codec& cd, const Layout& L, int h, const uint8_t* const* recs, const int* slots, int v0,
-                         int v1, const float* qr, int D_, const float* rcos, const float* rsin, float* sc) {
-  const int D = DC ? DC : D_;
-  const int HD = D / 2, G = D / cd.group, mc = cd.mean_c, shares = (D + mc - 1) / mc;
-  const int last = D - (shares - 1) * mc, rowb = D * BITS / 8;
-  const Unpack<BITS> un;
-  int gi[MAX_D / W];  // each W channels' group (not a division per vector)
-  for (int c = 0; c < D; c += W) gi[c / W] = c / cd.group;
-  alignas(64) float mean[BLOCK * MAX_D];
-  float pf[BLOCK * 2 * (MAX_D / W)];
-  vf p[GB][W];
-  for (int b = 0; b < DTILE / BLOCK; ++b) {
-    const int c0 = b * BLOCK, u0 = c0 % W;
-    if (c0 < v0 || c0 >= v1) {
-      for (int i = 0; i < GB; ++i)
-        for (int u = 0; u < BLOCK; ++u) p[i][u0 + u] = vf{};
-    } else {
-      const uint8_t* rec = recs[b];
-      const uint8_t* rec0 = rec - (int64_t)h * L.rec_bytes;
-      const int slot = slots[b];
-      auto share = [&](int sh) {
-        return reinterpret_cast<const uint16_t*>(rec0 + (int64_t)sh * L.rec_bytes + cd.mean_off) +
-               (int64_t)slot * BLOCK * mc;
-      };
-      if (L.bf16)
-        tada_mean_rows<true>(mean, D, shares, mc, last, share);
-      else
-        tada_mean_rows<false>(mean, D, shares, mc, last, share);
-      half_to_f32(pf, reinterpret_cast<const uint16_t*>(rec + cd.scales_off) + (int64_t)slot * BLOCK * 2 * G,
-                  BLOCK * 2 * G, 0);
-      const uint8_t* codes = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
-      for (int u = 0; u < BLOCK; ++u) {
-        const int t = c0 + u;
-        const uint8_t* row = codes + (int64_t)u * rowb;
-        const float* pt = pf + u * 2 * G;
-        const float* mr = mean + u * D;
-        vf acc[GB];
-        for (int i = 0; i < GB; ++i) acc[i] = vf{};
-        for (int c = 0; c < HD; c += W) {
-          const int g0 = gi[c / W], g1 = gi[(c + HD) / W];
-          const vf d0 = __builtin_convertvector(un(row, c), vf) * vbc(pt[g0]) + vbc(pt[G + g0]);
-          const vf d1 = __builtin_convertvector(un(row, c + HD), vf) * vbc(pt[g1]) + vbc(pt[G + g1]);
-          const vf x0 = vload(mr + c) - d0, x1 = vload(mr + c + HD) - d1;
-          const vf cc = vload(rcos + t * HD + c), ss = vload(rsin + t * HD + c);
-          const vf r0 = vfma(x0, cc, -(x1 * ss)), r1 = vfma(x1, cc, x0 * ss);
-          for (int i = 0; i < GB; ++i)
-            acc[i] = vfma(vload(qr + i * D + c + HD), r1, vfma(vload(qr + i * D + c), r0, acc[i]));
-        }
-        for (int i = 0; i < GB; ++i) p[i][u0 + u] = acc[i];
-      }
-    }
-    if (u0 + BLOCK == W)
-      for (int i = 0; i < GB; ++i) vstore(sc + i * DTILE + c0 + BLOCK - W, hsum16(p[i]));
-  }
-}
+// ---- the rows' formats (TaDA, selective) read straight from their codes by the fast decode (AVX-512) ----------
+// A block of rows as the fused kernels below read it: load(rec, slot) readies the block, at(u, c) = row u's channels
+// c .. c + W - 1 in registers.  DC: the head dim where known at compile time, else 0 (known: ~10% of TaDA's call).
 
-// TaDA's values of a tile's blocks [b0, b1) accumulated without storing them (AVX-512, GB query heads, the head dim DC
-// known; every head's share of the mean at least W channels): acc[i][c] += p[i][t] * (mean - (code * scale + min))
-// per block's mean rows (tada_mean_rows) - the rows tada_mean_minus stores, in pv_rows's order (channels 2W at a
-// time, tokens in order): the same sums bit for bit, without the rows' stores and reloads
-template <int BITS, int GB, int DC>
-inline void tada_pv(const Codec& cd, const Layout& L, int h, const uint8_t* const* recs, const int* slots, int b0,
-                    int b1, const float* p, float* acc, int astride) {
-  constexpr int D = DC, G = D / (D < 128 ? D : 128), rowb = D * BITS / 8;
-  const int mc = cd.mean_c, shares = (D + mc - 1) / mc, last = D - (shares - 1) * mc;
+// TaDA: load() assembles the block's mean rows (tada_mean_rows: every head's share at least W channels) and converts
+// its parameters; at() = mean - (code * scale + min), tada_mean_minus's values
+template <int BITS, int DC>
+struct TadaRows {
+  static constexpr int DK = DC;
+  const Codec& cd;
+  const Layout& L;
+  const int h, D, G, mc, shares, last, rowb;
   const Unpack<BITS> un;
-  alignas(64) float mean[BLOCK * D];
-  float pf[BLOCK * 2 * (D / W)];
-  for (int b = b0; b < b1; ++b) {
-    const uint8_t* rec = recs[b];
+  int gi[MAX_D / W];  // each W channels' group (not a division per vector; DC known: not used)
+  alignas(64) float mean[BLOCK * (DC ? DC : MAX_D)];
+  float pf[BLOCK * 2 * (MAX_D / W)];
+  const uint8_t* codes = nullptr;
+  TadaRows(const Codec& c, const Layout& l, int h_, int D_)
+      : cd(c), L(l), h(h_), D(DC ? DC : D_), G(D / c.group), mc(c.mean_c), shares((D + mc - 1) / mc),
+        last(D - (shares - 1) * mc), rowb(D * BITS / 8) {
+    if (!DC)
+      for (int i = 0; i < D; i += W) gi[i / W] = i / cd.group;
+  }
+  static bool serves(const Codec& c, int D) {
+    const int shares = (D + c.mean_c - 1) / c.mean_c;
+    return c.mean_c >= W && D - (shares - 1) * c.mean_c >= W && c.group == (D < 128 ? D : 128);
+  }
+  __attribute__((always_inline)) void load(const uint8_t* rec, int slot) {
     const uint8_t* rec0 = rec - (int64_t)h * L.rec_bytes;
-    const int slot = slots[b];
     auto share = [&](int sh) {
       return reinterpret_cast<const uint16_t*>(rec0 + (int64_t)sh * L.rec_bytes + cd.mean_off) +
              (int64_t)slot * BLOCK * mc;
@@ -1643,20 +1592,92 @@ inline void tada_pv(const Codec& cd, const Layout& L, int h, const uint8_t* cons
       tada_mean_rows<false>(mean, D, shares, mc, last, share);
     half_to_f32(pf, reinterpret_cast<const uint16_t*>(rec + cd.scales_off) + (int64_t)slot * BLOCK * 2 * G,
                 BLOCK * 2 * G, 0);
-    const uint8_t* codes = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
+    codes = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
+  }
+  __attribute__((always_inline)) vf at(int u, int c) const {  // (DC known: sizes and c's group as constants)
+    const int Dn = DC ? DC : D, Gn = DC ? (DC + 127) / 128 : G, g = DC ? c / (DC < 128 ? DC : 128) : gi[c / W];
+    const float* pt = pf + u * 2 * Gn;
+    return vload(mean + u * Dn + c) -
+           (__builtin_convertvector(un(codes + u * (Dn * BITS / 8), c), vf) * vbc(pt[g]) + vbc(pt[Gn + g]));
+  }
+};
+
+// the selective formats: at() = (code - qoff) * the token's scale, dec_scaled_rows's values
+template <int BITS, int DC>
+struct ScaledRows {
+  static constexpr int DK = DC;
+  const Codec& cd;
+  const int D, rowb;
+  const Unpack<BITS> un;
+  const vi off;
+  float s[BLOCK];
+  const uint8_t* codes = nullptr;
+  ScaledRows(const Codec& c, const Layout&, int, int D_)
+      : cd(c), D(DC ? DC : D_), rowb(D * BITS / 8), off(vi{} + c.qoff) {}
+  static bool serves(const Codec&, int) { return true; }
+  __attribute__((always_inline)) void load(const uint8_t* rec, int slot) {
+    half_to_f32(s, reinterpret_cast<const uint16_t*>(rec + cd.scales_off) + (int64_t)slot * BLOCK, BLOCK, 0);
+    codes = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
+  }
+  __attribute__((always_inline)) vf at(int u, int c) const {
+    return __builtin_convertvector(un(codes + u * ((DC ? DC : D) * BITS / 8), c) - off, vf) * vbc(s[u]);
+  }
+};
+
+// A tile's keys scored from a rows format's blocks without storing them (GB query heads): per token its row rotated
+// by the token's offset (rcos/rsin: dcos/dsin as rows) and dotted with each query head in registers, channel pairs
+// (c, c + D/2) together (row_scores16's float32 ops, the sums in another order); 16 tokens' sums reduced at once
+// (hsum16).  Blocks outside [v0, v1) score 0 (finite values whose softmax weights are exactly 0).  Decoding the
+// rows, then rotating and scoring them (row_scores16) stored and reloaded every key value twice.
+template <class Rows, int GB>
+inline void rows_kscores(Rows& rw, const uint8_t* const* recs, const int* slots, int v0, int v1, const float* qr,
+                         int qs, const float* rcos, const float* rsin, float* sc) {
+  const int D = Rows::DK ? Rows::DK : rw.D, HD = D / 2;
+  vf p[GB][W];
+  for (int b = 0; b < DTILE / BLOCK; ++b) {
+    const int c0 = b * BLOCK, u0 = c0 % W;
+    if (c0 < v0 || c0 >= v1) {
+      for (int i = 0; i < GB; ++i)
+        for (int u = 0; u < BLOCK; ++u) p[i][u0 + u] = vf{};
+    } else {
+      rw.load(recs[b], slots[b]);
+      for (int u = 0; u < BLOCK; ++u) {
+        const int t = c0 + u;
+        vf acc[GB];
+        for (int i = 0; i < GB; ++i) acc[i] = vf{};
+        for (int c = 0; c < HD; c += W) {
+          const vf x0 = rw.at(u, c), x1 = rw.at(u, c + HD);
+          const vf cc = vload(rcos + t * HD + c), ss = vload(rsin + t * HD + c);
+          const vf r0 = vfma(x0, cc, -(x1 * ss)), r1 = vfma(x1, cc, x0 * ss);
+          for (int i = 0; i < GB; ++i)
+            acc[i] = vfma(vload(qr + i * qs + c + HD), r1, vfma(vload(qr + i * qs + c), r0, acc[i]));
+        }
+        for (int i = 0; i < GB; ++i) p[i][u0 + u] = acc[i];
+      }
+    }
+    if (u0 + BLOCK == W)
+      for (int i = 0; i < GB; ++i) vstore(sc + i * DTILE + c0 + BLOCK - W, hsum16(p[i]));
+  }
+}
+
+// A rows format's values of a tile's blocks [b0, b1) accumulated without storing them (GB query heads):
+// acc[i][c] += p[i][t] * row t's value c in pv_rows's order (channels 2W at a time, tokens in order) - the same sums
+// as decoding the rows and accumulating them, bit for bit
+template <class Rows, int GB>
+inline void rows_pv(Rows& rw, const uint8_t* const* recs, const int* slots, int b0, int b1, const float* p,
+                    float* acc, int astride) {
+  const int D = Rows::DK ? Rows::DK : rw.D;
+  for (int b = b0; b < b1; ++b) {
+    rw.load(recs[b], slots[b]);
     const float* pb = p + b * BLOCK;
     for (int c = 0; c < D; c += 2 * W) {
-      const int gi = c / (D < 128 ? D : 128);  // (W | 128: both vectors in one group)
       vf a0[GB], a1[GB];
       for (int i = 0; i < GB; ++i) {
         a0[i] = vload(acc + i * astride + c);
         a1[i] = vload(acc + i * astride + c + W);
       }
       for (int u = 0; u < BLOCK; ++u) {
-        const uint8_t* row = codes + u * rowb;
-        const vf sc = vbc(pf[u * 2 * G + gi]), mn = vbc(pf[u * 2 * G + G + gi]);
-        const vf z0 = vload(mean + u * D + c) - (__builtin_convertvector(un(row, c), vf) * sc + mn);
-        const vf z1 = vload(mean + u * D + c + W) - (__builtin_convertvector(un(row, c + W), vf) * sc + mn);
+        const vf z0 = rw.at(u, c), z1 = rw.at(u, c + W);
         for (int i = 0; i < GB; ++i) {
           const vf pw = vbc(pb[i * DTILE + u]);
           a0[i] = vfma(pw, z0, a0[i]);
@@ -1671,34 +1692,59 @@ inline void tada_pv(const Codec& cd, const Layout& L, int h, const uint8_t* cons
   }
 }
 
-template <int BITS, int DC>
-inline bool tada_pv_any(const Codec& cd, const Layout& L, int h, const uint8_t* const* recs, const int* slots, int b0,
-                        int b1, const float* p, int g, float* acc, int astride) {
-  if constexpr (DC == 0 || DC % (2 * W) != 0) {
-    return false;
-  } else {
-    if (cd.group != (DC < 128 ? DC : 128)) return false;  // (tada_pv's groups: 128 channels, or the whole head)
-    switch (g) {
-      case 1: tada_pv<BITS, 1, DC>(cd, L, h, recs, slots, b0, b1, p, acc, astride); return true;
-      case 2: tada_pv<BITS, 2, DC>(cd, L, h, recs, slots, b0, b1, p, acc, astride); return true;
-      case 3: tada_pv<BITS, 3, DC>(cd, L, h, recs, slots, b0, b1, p, acc, astride); return true;
-      case 4: tada_pv<BITS, 4, DC>(cd, L, h, recs, slots, b0, b1, p, acc, astride); return true;
-      default: return false;
+// rows_kscores / rows_pv for g query heads, 4 at a time (a group's rows decoded again for the next group)
+template <class Rows>
+inline void rows_kscores_any(Rows& rw, const uint8_t* const* recs, const int* slots, int v0, int v1, const float* qr,
+                             int g, const float* rcos, const float* rsin, float* sc) {
+  const int D = rw.D;
+  for (int i = 0; i < g; i += 4) {
+    const float* q = qr + i * D;
+    float* s = sc + i * DTILE;
+    switch (g - i < 4 ? g - i : 4) {
+      case 1: rows_kscores<Rows, 1>(rw, recs, slots, v0, v1, q, D, rcos, rsin, s); break;
+      case 2: rows_kscores<Rows, 2>(rw, recs, slots, v0, v1, q, D, rcos, rsin, s); break;
+      case 3: rows_kscores<Rows, 3>(rw, recs, slots, v0, v1, q, D, rcos, rsin, s); break;
+      default: rows_kscores<Rows, 4>(rw, recs, slots, v0, v1, q, D, rcos, rsin, s); break;
     }
   }
 }
 
-template <int BITS, int DC>
-inline bool tada_kscores_any(const Codec& cd, const Layout& L, int h, const uint8_t* const* recs, const int* slots,
-                             int v0, int v1, const float* qr, int g, int D, const float* rcos, const float* rsin,
-                             float* sc) {
-  switch (g) {
-    case 1: tada_kscores<BITS, 1, DC>(cd, L, h, recs, slots, v0, v1, qr, D, rcos, rsin, sc); return true;
-    case 2: tada_kscores<BITS, 2, DC>(cd, L, h, recs, slots, v0, v1, qr, D, rcos, rsin, sc); return true;
-    case 3: tada_kscores<BITS, 3, DC>(cd, L, h, recs, slots, v0, v1, qr, D, rcos, rsin, sc); return true;
-    case 4: tada_kscores<BITS, 4, DC>(cd, L, h, recs, slots, v0, v1, qr, D, rcos, rsin, sc); return true;
-    default: return false;
+template <class Rows>
+inline void rows_pv_any(Rows& rw, const uint8_t* const* recs, const int* slots, int b0, int b1, const float* p, int g,
+                        float* acc, int astride) {
+  for (int i = 0; i < g; i += 4) {
+    const float* pi = p + i * DTILE;
+    float* ai = acc + (int64_t)i * astride;
+    switch (g - i < 4 ? g - i : 4) {
+      case 1: rows_pv<Rows, 1>(rw, recs, slots, b0, b1, pi, ai, astride); break;
+      case 2: rows_pv<Rows, 2>(rw, recs, slots, b0, b1, pi, ai, astride); break;
+      case 3: rows_pv<Rows, 3>(rw, recs, slots, b0, b1, pi, ai, astride); break;
+      default: rows_pv<Rows, 4>(rw, recs, slots, b0, b1, pi, ai, astride); break;
+    }
   }
+}
+
+// fn(rows) with the rows reader of cd's method and bits (TaDA, selective), the head dim DC; false where none serves
+template <int DC, class Fn>
+inline bool with_rows(const Codec& cd, const Layout& L, int h, int D, Fn&& fn) {
+  if (cd.method == TADA && TadaRows<4, DC>::serves(cd, D)) {
+    switch (cd.bits) {
+      case 8: { TadaRows<8, DC> rw(cd, L, h, D); fn(rw); return true; }
+      case 4: { TadaRows<4, DC> rw(cd, L, h, D); fn(rw); return true; }
+      default: { TadaRows<2, DC> rw(cd, L, h, D); fn(rw); return true; }
+    }
+  }
+  if (cd.method == SCALED) {
+    if (cd.bits == 4) {
+      ScaledRows<4, DC> rw(cd, L, h, D);
+      fn(rw);
+    } else {
+      ScaledRows<8, DC> rw(cd, L, h, D);
+      fn(rw);
+    }
+    return true;
+  }
+  return false;
 }
 #endif
 
@@ -1778,13 +1824,10 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
   // keys decoded as rows (selective, TaDA: raw values, std 1 and mean 0), scored from the rows (row_scores16)
   const bool rows_k = TKV_W == 16 && !a.exact && (a.k.method == SCALED || a.k.method == TADA) && L.cap == 0 &&
                       HD % W == 0 && HD % BLOCK == 0;
-  // TaDA's keys scored from the codes (tada_kscores): every head's share of the mean at least W channels
-  [[maybe_unused]] const bool tada_k = rows_k && a.k.method == TADA && g <= 4 && a.k.mean_c >= W &&
-                      D - (D + a.k.mean_c - 1) / a.k.mean_c * a.k.mean_c + a.k.mean_c >= W;
-  // TaDA's values from the codes (tada_pv; else its rows with the head dim known): every head's share of the mean
-  // at least W channels, no outliers
-  const bool tada_v = !a.exact && a.v.method == TADA && DT && L.cap == 0 && a.v.mean_c >= W &&
-                      D - (D + a.v.mean_c - 1) / a.v.mean_c * a.v.mean_c + a.v.mean_c >= W;
+  // the rows' values read straight from the codes, never stored (with_rows: TaDA where every head's share of the
+  // mean is at least W channels, the selective formats; rows_pv)
+  [[maybe_unused]] const bool rows_v = TKV_W == 16 && !a.exact && (a.v.method == SCALED || a.v.method == TADA) &&
+                                       L.cap == 0 && D % (2 * W) == 0;
   const float* rcos = a.rcs;  // dcos/dsin as rows [DTILE][HD]: the row rotation's factors (once per call)
   float* krows = nullptr;     // a tile's decoded key rows
   if (fast_kc || rows_k) krows = static_cast<float*>(__builtin_alloca(sizeof(float) * DTILE * D));
@@ -2003,7 +2046,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
         }
       }
 #if TKV_W == 16
-      if (tada_k) {  // TaDA: the scores straight from the codes (tada_kscores)
+      if (rows_k) {  // the scores straight from the codes (rows_kscores)
         const uint8_t* recs[DTILE / BLOCK];
         int slots[DTILE / BLOCK];
         for (int b = 0; b < DTILE / BLOCK; ++b) {
@@ -2012,11 +2055,9 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
           slots[b] = (tok % bs) / BLOCK;
         }
         const float* rsin = rcos + DTILE * HD;
-        switch (K.bits) {
-          case 8: scored = tada_kscores_any<8, DT>(K, L, h, recs, slots, v0, v1, qr, g, D, rcos, rsin, sc); break;
-          case 4: scored = tada_kscores_any<4, DT>(K, L, h, recs, slots, v0, v1, qr, g, D, rcos, rsin, sc); break;
-          default: scored = tada_kscores_any<2, DT>(K, L, h, recs, slots, v0, v1, qr, g, D, rcos, rsin, sc); break;
-        }
+        scored = with_rows<DT>(K, L, h, D, [&](auto& rw) {
+          rows_kscores_any(rw, recs, slots, v0, v1, qr, g, rcos, rsin, sc);
+        });
       }
       if (rows_k && !scored) {  // the tile's rows, then their scores 16 rows at a time
         float* R = krows;
@@ -2215,7 +2256,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
     // heads in one pass (the same FMAs in the same order as block by block, without reloading the sums per block)
     const int b0 = v0 / BLOCK, b1 = v1 / BLOCK;
 #if TKV_W == 16
-    if (tada_v && b1 > b0) {  // TaDA: the same sums straight from the codes (tada_pv)
+    if (rows_v && b1 > b0) {  // the same sums straight from the codes (rows_pv)
       const uint8_t* recs[DTILE / BLOCK];
       int slots[DTILE / BLOCK];
       for (int b = b0; b < b1; ++b) {
@@ -2223,13 +2264,9 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
         recs[b] = record(a.pages, L, btr[tok / bs], h);
         slots[b] = (tok % bs) / BLOCK;
       }
-      bool done;
-      switch (V.bits) {
-        case 8: done = tada_pv_any<8, DT>(V, L, h, recs, slots, b0, b1, sc, g, part + 4 + D, stride); break;
-        case 4: done = tada_pv_any<4, DT>(V, L, h, recs, slots, b0, b1, sc, g, part + 4 + D, stride); break;
-        default: done = tada_pv_any<2, DT>(V, L, h, recs, slots, b0, b1, sc, g, part + 4 + D, stride); break;
-      }
-      if (done) continue;
+      if (with_rows<DT>(V, L, h, D,
+                        [&](auto& rw) { rows_pv_any(rw, recs, slots, b0, b1, sc, g, part + 4 + D, stride); }))
+        continue;
     }
 #endif
     for (int b = b0; b < b1; ++b) {
@@ -2237,16 +2274,7 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
       const uint8_t* rec = record(a.pages, L, btr[tok / bs], h);
       const int slot = (tok % bs) / BLOCK;
       float* Zb = ZT + b * BLOCK * D;
-      if (tada_v) {  // (the head dim known at compile time)
-        const uint8_t* rec0 = rec - (int64_t)h * L.rec_bytes;
-        switch (V.bits) {
-          case 8: dec_tada_rows<8, true, DT>(V, L, rec0, h, slot, Zb, D); break;
-          case 4: dec_tada_rows<4, true, DT>(V, L, rec0, h, slot, Zb, D); break;
-          default: dec_tada_rows<2, true, DT>(V, L, rec0, h, slot, Zb, D); break;
-        }
-      } else {
-        decode_block_at(V, L, h, rec, slot, Zb, D, false, tmp, true);
-      }
+      decode_block_at(V, L, h, rec, slot, Zb, D, false, tmp, true);
       if (!skip_vnorm)
         for (int t = 0; t < BLOCK; ++t)  // z * std + mean (two roundings, as torch), model dtype
           for (int c = 0; c < D; c += W)

@@ -270,15 +270,15 @@ def test_tada_head_mean_shares_with_a_remainder(H):
 
 
 @pytest.mark.parametrize("GQ", [3, 5])
-@pytest.mark.parametrize("H", [3, 8])
-def test_tada_decode_over_head_mean_shares(H, GQ):
-    """TaDA's fast decode (AVX-512: keys scored and values accumulated straight from the codes, each block's head
-    mean assembled from the heads' shares) where the shares are 22, 22 and 20 channels (3 heads: a share's last
-    vector overlapping the one before it) and 8 (8 heads: narrower than a vector, the rows' path), with 3 query heads
-    per KV head and 5 (more than the fused kernels take: the rows' path): every ISA, two splittings, against the
-    torch path within the model dtype's rounding."""
+@pytest.mark.parametrize("fmt,H", [("tada-4bit", 3), ("tada-4bit", 8), ("selective-int4", 3)])
+def test_rows_decode_over_head_groups_and_mean_shares(fmt, H, GQ):
+    """The rows' formats' fast decode (AVX-512: keys scored and values accumulated straight from the codes, csrc
+    rows_kscores / rows_pv, 4 query heads at a time: 5 are a group of 4 and one alone); TaDA's head mean assembled
+    from the heads' shares, 22, 22 and 20 channels (3 heads: a share's last vector overlapping the one before it) or 8
+    (8 heads: narrower than a vector, the rows decoded and stored first): every ISA, two splittings, against the torch
+    path within the model dtype's rounding."""
     D = 64
-    lc = make_cache("tada-4bit", D, False, torch.bfloat16, 1, H=H, GQ=GQ, block_size=32, window=16)
+    lc = make_cache(fmt, D, False, torch.bfloat16, 1, H=H, GQ=GQ, block_size=32, window=16)
     pages, tables, q, key, val, sl, scale, ref, _ = _decode_case(lc, H, GQ, D)
     before = cpu.isa()
     try:
