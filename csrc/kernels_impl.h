@@ -1624,6 +1624,31 @@ struct ScaledRows {
   }
 };
 
+// QJL's values: at() = code * scale + min, the scale and min of c's group (dec_affine_rows's values; groups of at
+// least 2W channels, so a value pair's two vectors share them)
+template <int BITS, int DC>
+struct AffineRows {
+  static constexpr int DK = DC;
+  const Codec& cd;
+  const int D, G, rowb, gshift;
+  const Unpack<BITS> un;
+  float pf[BLOCK * 2 * (MAX_D / W)];
+  const uint8_t* codes = nullptr;
+  AffineRows(const Codec& c, const Layout&, int, int D_)
+      : cd(c), D(DC ? DC : D_), G(D / c.group), rowb(D * BITS / 8), gshift(__builtin_ctz(c.group)) {}
+  static bool serves(const Codec& c, int) { return c.group >= 2 * W && (c.group & (c.group - 1)) == 0; }
+  __attribute__((always_inline)) void load(const uint8_t* rec, int slot) {
+    half_to_f32(pf, reinterpret_cast<const uint16_t*>(rec + cd.scales_off) + (int64_t)slot * BLOCK * 2 * G,
+                BLOCK * 2 * G, 0);
+    codes = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
+  }
+  __attribute__((always_inline)) vf at(int u, int c) const {
+    const float* pt = pf + u * 2 * G;
+    const int g = c >> gshift;
+    return __builtin_convertvector(un(codes + u * ((DC ? DC : D) * BITS / 8), c), vf) * vbc(pt[g]) + vbc(pt[G + g]);
+  }
+};
+
 // A tile's keys scored from a rows format's blocks without storing them (GB query heads): per token its row rotated
 // by the token's offset (rcos/rsin: dcos/dsin as rows) and dotted with each query head in registers, channel pairs
 // (c, c + D/2) together (row_scores16's float32 ops, the sums in another order); 16 tokens' sums reduced at once
@@ -1724,7 +1749,8 @@ inline void rows_pv_any(Rows& rw, const uint8_t* const* recs, const int* slots, 
   }
 }
 
-// fn(rows) with the rows reader of cd's method and bits (TaDA, selective), the head dim DC; false where none serves
+// fn(rows) with the rows reader of cd's method and bits (TaDA, QJL's values, selective), the head dim DC; false where
+// none serves
 template <int DC, class Fn>
 inline bool with_rows(const Codec& cd, const Layout& L, int h, int D, Fn&& fn) {
   if (cd.method == TADA && TadaRows<4, DC>::serves(cd, D)) {
@@ -1732,6 +1758,13 @@ inline bool with_rows(const Codec& cd, const Layout& L, int h, int D, Fn&& fn) {
       case 8: { TadaRows<8, DC> rw(cd, L, h, D); fn(rw); return true; }
       case 4: { TadaRows<4, DC> rw(cd, L, h, D); fn(rw); return true; }
       default: { TadaRows<2, DC> rw(cd, L, h, D); fn(rw); return true; }
+    }
+  }
+  if (cd.method == AFFINE && AffineRows<2, DC>::serves(cd, D)) {
+    switch (cd.bits) {
+      case 8: { AffineRows<8, DC> rw(cd, L, h, D); fn(rw); return true; }
+      case 4: { AffineRows<4, DC> rw(cd, L, h, D); fn(rw); return true; }
+      default: { AffineRows<2, DC> rw(cd, L, h, D); fn(rw); return true; }
     }
   }
   if (cd.method == SCALED) {
@@ -1825,8 +1858,9 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
   const bool rows_k = TKV_W == 16 && !a.exact && (a.k.method == SCALED || a.k.method == TADA) && L.cap == 0 &&
                       HD % W == 0 && HD % BLOCK == 0;
   // the rows' values read straight from the codes, never stored (with_rows: TaDA where every head's share of the
-  // mean is at least W channels, the selective formats; rows_pv)
-  [[maybe_unused]] const bool rows_v = TKV_W == 16 && !a.exact && (a.v.method == SCALED || a.v.method == TADA) &&
+  // mean is at least W channels, QJL's values, the selective formats; rows_pv)
+  [[maybe_unused]] const bool rows_v = TKV_W == 16 && !a.exact &&
+                                       (a.v.method == SCALED || a.v.method == TADA || a.v.method == AFFINE) &&
                                        L.cap == 0 && D % (2 * W) == 0;
   const float* rcos = a.rcs;  // dcos/dsin as rows [DTILE][HD]: the row rotation's factors (once per call)
   float* krows = nullptr;     // a tile's decoded key rows
