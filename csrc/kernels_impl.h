@@ -712,9 +712,10 @@ inline void qk_tile(const float* qr, int D, const float* KT, float* sc) {
   }
 }
 
-// acc[i][c] += sum_{t < n} p[i][t] * Z[t][c] for GB query heads (n tokens: the sums loaded once)
-template <int GB>
-inline void pv_rows(float* acc, int astride, const float* p, int pstride, const float* Z, int D, int n) {
+// acc[i][c] += sum_{t < n} p[i][t] * row(t, c .. c + W - 1) for GB query heads (n tokens: the sums loaded once;
+// channels 2W at a time, tokens in order): stored rows (pv_rows) and rows read from their codes (rows_pv) alike
+template <int GB, class RowAt>
+inline void pv_sum(float* acc, int astride, const float* p, int pstride, int D, int n, RowAt row) {
   for (int c = 0; c < D; c += 2 * W) {
     vf a0[GB], a1[GB];
     for (int i = 0; i < GB; ++i) {
@@ -722,7 +723,7 @@ inline void pv_rows(float* acc, int astride, const float* p, int pstride, const 
       a1[i] = vload(acc + i * astride + c + W);
     }
     for (int t = 0; t < n; ++t) {
-      const vf z0 = vload(Z + t * D + c), z1 = vload(Z + t * D + c + W);
+      const vf z0 = row(t, c), z1 = row(t, c + W);
       for (int i = 0; i < GB; ++i) {
         const vf pb = vbc(p[i * pstride + t]);
         a0[i] = vfma(pb, z0, a0[i]);
@@ -734,6 +735,12 @@ inline void pv_rows(float* acc, int astride, const float* p, int pstride, const 
       vstore(acc + i * astride + c + W, a1[i]);
     }
   }
+}
+
+// acc[i][c] += sum_{t < n} p[i][t] * Z[t][c] for GB query heads
+template <int GB>
+inline void pv_rows(float* acc, int astride, const float* p, int pstride, const float* Z, int D, int n) {
+  pv_sum<GB>(acc, astride, p, pstride, D, n, [&](int t, int c) { return vload(Z + t * D + c); });
 }
 
 inline void pv_rows_any(float* acc, int astride, const float* p, int g, const float* Z, int D, int n) {
@@ -1685,35 +1692,15 @@ inline void rows_kscores(Rows& rw, const uint8_t* const* recs, const int* slots,
   }
 }
 
-// A rows format's values of a tile's blocks [b0, b1) accumulated without storing them (GB query heads):
-// acc[i][c] += p[i][t] * row t's value c in pv_rows's order (channels 2W at a time, tokens in order) - the same sums
-// as decoding the rows and accumulating them, bit for bit
+// A rows format's values of a tile's blocks [b0, b1) accumulated without storing them (GB query heads), block by
+// block in pv_sum's order - the same sums as decoding the rows and accumulating them (pv_rows), bit for bit
 template <class Rows, int GB>
 inline void rows_pv(Rows& rw, const uint8_t* const* recs, const int* slots, int b0, int b1, const float* p,
                     float* acc, int astride) {
   const int D = Rows::DK ? Rows::DK : rw.D;
   for (int b = b0; b < b1; ++b) {
     rw.load(recs[b], slots[b]);
-    const float* pb = p + b * BLOCK;
-    for (int c = 0; c < D; c += 2 * W) {
-      vf a0[GB], a1[GB];
-      for (int i = 0; i < GB; ++i) {
-        a0[i] = vload(acc + i * astride + c);
-        a1[i] = vload(acc + i * astride + c + W);
-      }
-      for (int u = 0; u < BLOCK; ++u) {
-        const vf z0 = rw.at(u, c), z1 = rw.at(u, c + W);
-        for (int i = 0; i < GB; ++i) {
-          const vf pw = vbc(pb[i * DTILE + u]);
-          a0[i] = vfma(pw, z0, a0[i]);
-          a1[i] = vfma(pw, z1, a1[i]);
-        }
-      }
-      for (int i = 0; i < GB; ++i) {
-        vstore(acc + i * astride + c, a0[i]);
-        vstore(acc + i * astride + c + W, a1[i]);
-      }
-    }
+    pv_sum<GB>(acc, astride, p + b * BLOCK, DTILE, D, BLOCK, [&](int u, int c) { return rw.at(u, c); });
   }
 }
 
