@@ -543,43 +543,115 @@ inline void tada_mean_rows(float* mean, int D, int shares, int mc, int last, Sha
   }
 }
 
-// TaDA's rows where every head's share of the mean is at least W channels: the block's 8 mean rows assembled first
-// (tada_mean_rows), then one pass per row: mean - (code * scale + min), the deviation in registers (the same two
-// roundings, then the difference).  The deviations stored first and the mean's shares subtracted from them at the
-// shares' offsets (vectors straddling two stores), the mean's dtype tested per vector: ~10% more decode time.
-template <int BITS, bool BF16, int DC = 0, class Share>
-inline void tada_mean_minus(const Codec& cd, int D_, int shares, int mc, int last, Share share, const uint8_t* codes,
-                            const uint16_t* par, float* dst, int ld) {
-  const int D = DC ? DC : D_;  // (the head dim known at compile time: ~10% of TaDA's decode call)
-  alignas(64) float mean[BLOCK * MAX_D];
-  tada_mean_rows<BF16>(mean, D, shares, mc, last, share);
+// ---- the rows' formats (TaDA, QJL's values, selective) read W channels at a time ----------------------------------
+// A block of rows as dec_tada_rows and the fast decode's fused kernels (rows_kscores, rows_pv) read it: load(rec,
+// slot) readies the block, at(u, c) = row u's channels c .. c + W - 1 in registers.  DC: the head dim where known at
+// compile time, else 0 (known: ~10% of TaDA's decode call).
+
+// TaDA: load() assembles the block's mean rows (tada_mean_rows: every head's share at least W channels) and converts
+// its parameters; at() = mean - (code * scale + min) (TadaCodec.decode's float32 ops: two roundings, then the
+// difference; the deviations stored first and the mean's shares subtracted at the shares' offsets - vectors
+// straddling two stores, the mean's dtype tested per vector - took ~10% more of TaDA's decode call)
+template <int BITS, int DC>
+struct TadaRows {
+  static constexpr int DK = DC;
+  const Codec& cd;
+  const Layout& L;
+  const int h, D, G, mc, shares, last, rowb;
   const Unpack<BITS> un;
-  const int rowb = D * BITS / 8, G = D / cd.group;
+  int gi[MAX_D / W];  // each W channels' group (not a division per vector; DC known: not used)
+  alignas(64) float mean[BLOCK * (DC ? DC : MAX_D)];
   float pf[BLOCK * 2 * (MAX_D / W)];
-  half_to_f32(pf, par, BLOCK * 2 * G, 0);
-  for (int t = 0; t < BLOCK; ++t) {
-    const uint8_t* row = codes + (int64_t)t * rowb;
-    const float* pt = pf + t * 2 * G;
-    for (int gi = 0; gi < G; ++gi) {
-      const vf sc = vbc(pt[gi]), mn = vbc(pt[G + gi]);
-      for (int c0 = gi * cd.group; c0 < (gi + 1) * cd.group; c0 += W)
-        vstore(dst + (int64_t)t * ld + c0,
-               vload(mean + t * D + c0) - (__builtin_convertvector(un(row, c0), vf) * sc + mn));
-    }
+  const uint8_t* codes = nullptr;
+  TadaRows(const Codec& c, const Layout& l, int h_, int D_)
+      : cd(c), L(l), h(h_), D(DC ? DC : D_), G(D / c.group), mc(c.mean_c), shares((D + mc - 1) / mc),
+        last(D - (shares - 1) * mc), rowb(D * BITS / 8) {
+    if (!DC)  // (one group - D <= 128 - without a division per vector)
+      for (int i = 0; i < D; i += W) gi[i / W] = G == 1 ? 0 : i / cd.group;
   }
-}
+  static bool serves(const Codec& c, int D) {  // (DC known: at() takes the groups as TaDA sizes them)
+    const int shares = (D + c.mean_c - 1) / c.mean_c;
+    return c.mean_c >= W && D - (shares - 1) * c.mean_c >= W && (!DC || c.group == (D < 128 ? D : 128));
+  }
+  __attribute__((always_inline)) void load(const uint8_t* rec, int slot) {
+    const uint8_t* rec0 = rec - (int64_t)h * L.rec_bytes;
+    auto share = [&](int sh) {
+      return reinterpret_cast<const uint16_t*>(rec0 + (int64_t)sh * L.rec_bytes + cd.mean_off) +
+             (int64_t)slot * BLOCK * mc;
+    };
+    if (L.bf16)
+      tada_mean_rows<true>(mean, D, shares, mc, last, share);
+    else
+      tada_mean_rows<false>(mean, D, shares, mc, last, share);
+    half_to_f32(pf, reinterpret_cast<const uint16_t*>(rec + cd.scales_off) + (int64_t)slot * BLOCK * 2 * G,
+                BLOCK * 2 * G, 0);
+    codes = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
+  }
+  __attribute__((always_inline)) vf at(int u, int c) const {  // (DC known: sizes and c's group as constants)
+    const int Dn = DC ? DC : D, Gn = DC ? (DC + 127) / 128 : G, g = DC ? c / (DC < 128 ? DC : 128) : gi[c / W];
+    const float* pt = pf + u * 2 * Gn;
+    return vload(mean + u * Dn + c) -
+           (__builtin_convertvector(un(codes + u * (Dn * BITS / 8), c), vf) * vbc(pt[g]) + vbc(pt[Gn + g]));
+  }
+};
+
+// the selective formats: at() = (code - qoff) * the token's scale, dec_scaled_rows's values
+template <int BITS, int DC>
+struct ScaledRows {
+  static constexpr int DK = DC;
+  const Codec& cd;
+  const int D, rowb;
+  const Unpack<BITS> un;
+  const vi off;
+  float s[BLOCK];
+  const uint8_t* codes = nullptr;
+  ScaledRows(const Codec& c, const Layout&, int, int D_)
+      : cd(c), D(DC ? DC : D_), rowb(D * BITS / 8), off(vi{} + c.qoff) {}
+  static bool serves(const Codec&, int) { return true; }
+  __attribute__((always_inline)) void load(const uint8_t* rec, int slot) {
+    half_to_f32(s, reinterpret_cast<const uint16_t*>(rec + cd.scales_off) + (int64_t)slot * BLOCK, BLOCK, 0);
+    codes = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
+  }
+  __attribute__((always_inline)) vf at(int u, int c) const {
+    return __builtin_convertvector(un(codes + u * ((DC ? DC : D) * BITS / 8), c) - off, vf) * vbc(s[u]);
+  }
+};
+
+// QJL's values: at() = code * scale + min, the scale and min of c's group (dec_affine_rows's values; groups of at
+// least 2W channels, so a value pair's two vectors share them)
+template <int BITS, int DC>
+struct AffineRows {
+  static constexpr int DK = DC;
+  const Codec& cd;
+  const int D, G, rowb, gshift;
+  const Unpack<BITS> un;
+  float pf[BLOCK * 2 * (MAX_D / W)];
+  const uint8_t* codes = nullptr;
+  AffineRows(const Codec& c, const Layout&, int, int D_)
+      : cd(c), D(DC ? DC : D_), G(D / c.group), rowb(D * BITS / 8), gshift(__builtin_ctz(c.group)) {}
+  static bool serves(const Codec& c, int) { return c.group >= 2 * W && (c.group & (c.group - 1)) == 0; }
+  __attribute__((always_inline)) void load(const uint8_t* rec, int slot) {
+    half_to_f32(pf, reinterpret_cast<const uint16_t*>(rec + cd.scales_off) + (int64_t)slot * BLOCK * 2 * G,
+                BLOCK * 2 * G, 0);
+    codes = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
+  }
+  __attribute__((always_inline)) vf at(int u, int c) const {
+    const float* pt = pf + u * 2 * G;
+    const int g = c >> gshift;
+    return __builtin_convertvector(un(codes + u * ((DC ? DC : D) * BITS / 8), c), vf) * vbc(pt[g]) + vbc(pt[G + g]);
+  }
+};
 
 // TaDA, rows of one block of head h: dst[t][c] = mean[t][c] - (code * scale + min) (TadaCodec.decode's float32 ops:
 // two roundings, then the difference); the head mean's channels from the records of every head of the page (rec0:
 // head 0's), head sh keeping channels sh * mean_c .. + mean_c - 1.  MEAN = false (AFFINE, QJL's values): the
-// deviations alone.  Shares of at least W channels: the block's mean rows first, W channels at a time (no scalar
-// tails), then the differences in one pass (tada_mean_minus).  Shares narrower than W (more KV heads than D / W):
-// each token's mean assembled element-wise, the deviations stored, then subtracted.  DC: the head dim where known
-// at compile time (the fast decode's values), else 0.
-template <int BITS, bool MEAN = true, int DC = 0>
+// deviations alone.  Shares of at least W channels: the rows as TadaRows reads them (the block's mean rows first, W
+// channels at a time).  Shares narrower than W (more KV heads than D / W): each token's mean assembled element-wise,
+// the deviations stored, then subtracted.
+template <int BITS, bool MEAN = true>
 inline void dec_tada_rows(const Codec& cd, const Layout& L, const uint8_t* rec0, int h, int slot, float* dst,
                           int ld) {
-  const int D = DC ? DC : L.D, G = D / cd.group;
+  const int D = L.D, G = D / cd.group;
   const uint8_t* rec = rec0 + (int64_t)h * L.rec_bytes;
   const uint8_t* codes = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
   const uint16_t* par = reinterpret_cast<const uint16_t*>(rec + cd.scales_off) + (int64_t)slot * BLOCK * 2 * G;
@@ -591,11 +663,11 @@ inline void dec_tada_rows(const Codec& cd, const Layout& L, const uint8_t* rec0,
       return reinterpret_cast<const uint16_t*>(rec0 + (int64_t)sh * L.rec_bytes + cd.mean_off) +
              (int64_t)slot * BLOCK * mc;
     };
-    if (mc >= W && last >= W) {
-      if (L.bf16)
-        tada_mean_minus<BITS, true, DC>(cd, D, shares, mc, last, share, codes, par, dst, ld);
-      else
-        tada_mean_minus<BITS, false, DC>(cd, D, shares, mc, last, share, codes, par, dst, ld);
+    if (TadaRows<BITS, 0>::serves(cd, D)) {
+      TadaRows<BITS, 0> rw(cd, L, h, D);
+      rw.load(rec, slot);
+      for (int t = 0; t < BLOCK; ++t)
+        for (int c = 0; c < D; c += W) vstore(dst + (int64_t)t * ld + c, rw.at(t, c));
     } else {
       alignas(64) float dev[BLOCK * MAX_D];
       dec_affine_rows<BITS>(cd, D, codes, par, dev, D);
@@ -1560,102 +1632,6 @@ inline void row_scores16(float* sc, const float* qr, int g, int D, int t0, float
 #endif
 
 #if TKV_W == 16
-// ---- the rows' formats (TaDA, selective) read straight from their codes by the fast decode (AVX-512) ----------
-// A block of rows as the fused kernels below read it: load(rec, slot) readies the block, at(u, c) = row u's channels
-// c .. c + W - 1 in registers.  DC: the head dim where known at compile time, else 0 (known: ~10% of TaDA's call).
-
-// TaDA: load() assembles the block's mean rows (tada_mean_rows: every head's share at least W channels) and converts
-// its parameters; at() = mean - (code * scale + min), tada_mean_minus's values
-template <int BITS, int DC>
-struct TadaRows {
-  static constexpr int DK = DC;
-  const Codec& cd;
-  const Layout& L;
-  const int h, D, G, mc, shares, last, rowb;
-  const Unpack<BITS> un;
-  int gi[MAX_D / W];  // each W channels' group (not a division per vector; DC known: not used)
-  alignas(64) float mean[BLOCK * (DC ? DC : MAX_D)];
-  float pf[BLOCK * 2 * (MAX_D / W)];
-  const uint8_t* codes = nullptr;
-  TadaRows(const Codec& c, const Layout& l, int h_, int D_)
-      : cd(c), L(l), h(h_), D(DC ? DC : D_), G(D / c.group), mc(c.mean_c), shares((D + mc - 1) / mc),
-        last(D - (shares - 1) * mc), rowb(D * BITS / 8) {
-    if (!DC)
-      for (int i = 0; i < D; i += W) gi[i / W] = i / cd.group;
-  }
-  static bool serves(const Codec& c, int D) {
-    const int shares = (D + c.mean_c - 1) / c.mean_c;
-    return c.mean_c >= W && D - (shares - 1) * c.mean_c >= W && c.group == (D < 128 ? D : 128);
-  }
-  __attribute__((always_inline)) void load(const uint8_t* rec, int slot) {
-    const uint8_t* rec0 = rec - (int64_t)h * L.rec_bytes;
-    auto share = [&](int sh) {
-      return reinterpret_cast<const uint16_t*>(rec0 + (int64_t)sh * L.rec_bytes + cd.mean_off) +
-             (int64_t)slot * BLOCK * mc;
-    };
-    if (L.bf16)
-      tada_mean_rows<true>(mean, D, shares, mc, last, share);
-    else
-      tada_mean_rows<false>(mean, D, shares, mc, last, share);
-    half_to_f32(pf, reinterpret_cast<const uint16_t*>(rec + cd.scales_off) + (int64_t)slot * BLOCK * 2 * G,
-                BLOCK * 2 * G, 0);
-    codes = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
-  }
-  __attribute__((always_inline)) vf at(int u, int c) const {  // (DC known: sizes and c's group as constants)
-    const int Dn = DC ? DC : D, Gn = DC ? (DC + 127) / 128 : G, g = DC ? c / (DC < 128 ? DC : 128) : gi[c / W];
-    const float* pt = pf + u * 2 * Gn;
-    return vload(mean + u * Dn + c) -
-           (__builtin_convertvector(un(codes + u * (Dn * BITS / 8), c), vf) * vbc(pt[g]) + vbc(pt[Gn + g]));
-  }
-};
-
-// the selective formats: at() = (code - qoff) * the token's scale, dec_scaled_rows's values
-template <int BITS, int DC>
-struct ScaledRows {
-  static constexpr int DK = DC;
-  const Codec& cd;
-  const int D, rowb;
-  const Unpack<BITS> un;
-  const vi off;
-  float s[BLOCK];
-  const uint8_t* codes = nullptr;
-  ScaledRows(const Codec& c, const Layout&, int, int D_)
-      : cd(c), D(DC ? DC : D_), rowb(D * BITS / 8), off(vi{} + c.qoff) {}
-  static bool serves(const Codec&, int) { return true; }
-  __attribute__((always_inline)) void load(const uint8_t* rec, int slot) {
-    half_to_f32(s, reinterpret_cast<const uint16_t*>(rec + cd.scales_off) + (int64_t)slot * BLOCK, BLOCK, 0);
-    codes = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
-  }
-  __attribute__((always_inline)) vf at(int u, int c) const {
-    return __builtin_convertvector(un(codes + u * ((DC ? DC : D) * BITS / 8), c) - off, vf) * vbc(s[u]);
-  }
-};
-
-// QJL's values: at() = code * scale + min, the scale and min of c's group (dec_affine_rows's values; groups of at
-// least 2W channels, so a value pair's two vectors share them)
-template <int BITS, int DC>
-struct AffineRows {
-  static constexpr int DK = DC;
-  const Codec& cd;
-  const int D, G, rowb, gshift;
-  const Unpack<BITS> un;
-  float pf[BLOCK * 2 * (MAX_D / W)];
-  const uint8_t* codes = nullptr;
-  AffineRows(const Codec& c, const Layout&, int, int D_)
-      : cd(c), D(DC ? DC : D_), G(D / c.group), rowb(D * BITS / 8), gshift(__builtin_ctz(c.group)) {}
-  static bool serves(const Codec& c, int) { return c.group >= 2 * W && (c.group & (c.group - 1)) == 0; }
-  __attribute__((always_inline)) void load(const uint8_t* rec, int slot) {
-    half_to_f32(pf, reinterpret_cast<const uint16_t*>(rec + cd.scales_off) + (int64_t)slot * BLOCK * 2 * G,
-                BLOCK * 2 * G, 0);
-    codes = rec + cd.codes_off + (int64_t)slot * cd.code_bytes;
-  }
-  __attribute__((always_inline)) vf at(int u, int c) const {
-    const float* pt = pf + u * 2 * G;
-    const int g = c >> gshift;
-    return __builtin_convertvector(un(codes + u * ((DC ? DC : D) * BITS / 8), c), vf) * vbc(pt[g]) + vbc(pt[G + g]);
-  }
-};
-
 // A tile's keys scored from a rows format's blocks without storing them (GB query heads): per token its row rotated
 // by the token's offset (rcos/rsin: dcos/dsin as rows) and dotted with each query head in registers, channel pairs
 // (c, c + D/2) together (row_scores16's float32 ops, the sums in another order); 16 tokens' sums reduced at once
