@@ -617,8 +617,8 @@ struct ScaledRows {
   }
 };
 
-// QJL's values: at() = code * scale + min, the scale and min of c's group (dec_affine_rows's values; groups of at
-// least 2W channels, so a value pair's two vectors share them)
+// QJL's values: at() = code * scale + min, the scale and min of c's group (dec_affine_rows's values; groups a power
+// of 2 of at least 2W channels: the group a shift away)
 template <int BITS, int DC>
 struct AffineRows {
   static constexpr int DK = DC;
@@ -1817,7 +1817,8 @@ void decode_item_t(const DecodeArgs& a, int64_t item) {
   const bool fast_k = !a.exact && a.k.method == TEMPORAL && L.cap == 0;
   // channel-chunked K, fast: decoded, denormalized and rotated row by row (ktile_channel_fast)
   const bool fast_kc = !a.exact && a.k.method == CHANNEL && L.cap == 0 && HD % W == 0 && HD % BLOCK == 0;
-  // keys decoded as rows (selective, TaDA: raw values, std 1 and mean 0), scored from the rows (row_scores16)
+  // keys as rows (selective, TaDA: raw values, std 1 and mean 0), scored straight from their codes (with_rows,
+  // rows_kscores), else decoded into rows and scored from them (row_scores16: TaDA's shares narrower than W)
   const bool rows_k = TKV_W == 16 && !a.exact && (a.k.method == SCALED || a.k.method == TADA) && L.cap == 0 &&
                       HD % W == 0 && HD % BLOCK == 0;
   // the rows' values read straight from the codes, never stored (with_rows: TaDA where every head's share of the
