@@ -41,6 +41,21 @@ QJL_CASES = [("qjl", 64, torch.float32, 16, 32, 1), ("qjl", 64, torch.bfloat16, 
 QJL_IDS = [f"{f}-d{d}-{str(t)[6:]}-w{w}-b{b}-layer{layer}" for f, d, t, w, b, layer in QJL_CASES]
 
 
+@pytest.fixture
+def each_isa():
+    """Every ISA variant the build has, set in turn (``for isa in each_isa():``); the ISA in use before is restored
+    when the test ends, passed or failed."""
+    before = cpu.isa()
+
+    def isas():
+        for isa in cpu.supported_isas():
+            cpu.set_isa(isa)
+            yield isa
+
+    yield isas
+    cpu.set_isa(before)
+
+
 def _cache(case, H=2, GQ=3):
     fmt, D, dtype, window, bs = case
     return make_cache(fmt, D, False, dtype, 1, H=H, GQ=GQ, block_size=bs, window=window)
@@ -81,22 +96,17 @@ def test_the_cpu_path_serves_them():
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_gather_bit_exact(case):
+def test_gather_bit_exact(case, each_isa):
     H, D = 2, case[1]
     lc = _cache(case, H=H)
     pages, tables, _ = _write_prefix(lc, LENS, H, D, seed=1)
-    before = cpu.isa()
-    try:
-        for isa in cpu.supported_isas():  # each ISA's unpacking of the packed codes (W = 16, 8, 4 lanes)
-            cpu.set_isa(isa)
-            for r, n in enumerate(LENS):
-                # the n - 1 tokens written (a shorter prefix's ring slots may never have been written: a prefill
-                # encodes the blocks that leave the window straight from its input)
-                K, V = cpu.gather_kv(lc, pages, tables[r], n - 1)
-                EK, EV = paged_torch.gather_kv(lc, pages, tables[r], n - 1)
-                assert torch.equal(K, EK) and torch.equal(V, EV), (isa, r)
-    finally:
-        cpu.set_isa(before)
+    for isa in each_isa():  # each ISA's unpacking of the packed codes (W = 16, 8, 4 lanes)
+        for r, n in enumerate(LENS):
+            # the n - 1 tokens written (a shorter prefix's ring slots may never have been written: a prefill
+            # encodes the blocks that leave the window straight from its input)
+            K, V = cpu.gather_kv(lc, pages, tables[r], n - 1)
+            EK, EV = paged_torch.gather_kv(lc, pages, tables[r], n - 1)
+            assert torch.equal(K, EK) and torch.equal(V, EV), (isa, r)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[3]] + [("qjl", 64, torch.bfloat16, 16, 32)],
@@ -147,7 +157,7 @@ def _window_write(write, lc, pages, tables, lens, H, D, seed):
 
 @pytest.mark.parametrize("H", [2, 3])
 @pytest.mark.parametrize("case", [c for c in CASES if c[3]], ids=[i for c, i in zip(CASES, IDS) if c[3]])
-def test_cpp_window_write_is_the_torch_path(case, H):
+def test_cpp_window_write_is_the_torch_path(case, H, each_isa):
     """cpu.write_kv_window (the C++ encoders of codebook, selective and TaDA codes, blocks leaving the window from
     this call's rows or the ring, then the ring and sink writes) against the torch path: the same page bytes after
     every chunked prefill call and decode step, on every ISA."""
@@ -159,20 +169,15 @@ def test_cpp_window_write_is_the_torch_path(case, H):
     tables = torch.randperm(len(lens) * per, generator=g).reshape(len(lens), per)
     pages0 = torch.randint(0, 256, (len(lens) * per, H, lc.layout.bytes), dtype=torch.uint8, generator=g)
     want = _window_write(paged_torch.write_kv_window, lc, pages0.clone(), tables, lens, H, D, seed=9)
-    before = cpu.isa()
-    try:
-        for isa in cpu.supported_isas():
-            cpu.set_isa(isa)
-            got = _window_write(cpu.write_kv_window, lc, pages0.clone(), tables, lens, H, D, seed=9)
-            for i, (a, b) in enumerate(zip(got, want)):
-                assert torch.equal(a, b), (isa, i)
-    finally:
-        cpu.set_isa(before)
+    for isa in each_isa():
+        got = _window_write(cpu.write_kv_window, lc, pages0.clone(), tables, lens, H, D, seed=9)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), (isa, i)
 
 
 @pytest.mark.parametrize("case", QJL_CASES + [("qjl", 64, torch.bfloat16, 0, 32, 1)],
                          ids=QJL_IDS + ["qjl-d64-bfloat16-w0-b32-layer1"])
-def test_cpp_qjl_write_is_the_torch_path(case):
+def test_cpp_qjl_write_is_the_torch_path(case, each_isa):
     """QJL's C++ encoders (sign sketches of the keys under encode_keys' float64 contract - a float32 screen, float64
     where its rounding bound cannot decide -, the outlier channels, the norms; the values' affine codes) against the
     torch path through chunked prefills and decode steps: the same page bytes on every ISA.  Keys tiny enough
@@ -202,27 +207,22 @@ def test_cpp_qjl_write_is_the_torch_path(case):
             return w
         writers = (writer(paged_torch.write_kv), writer(cpu.write_kv))
         want = _window_write(writers[0], lc, pages0.clone(), tables, lens, H, D, seed=12)
-    before = cpu.isa()
-    try:
-        for isa in cpu.supported_isas():
-            cpu.set_isa(isa)
-            got = _window_write(writers[1], lc, pages0.clone(), tables, lens, H, D, seed=12)
-            for i, (a, b) in enumerate(zip(got, want)):
-                assert torch.equal(a, b), (isa, i)
-            # the float64 fallback for every sign, and S k_in = 0
-            # (in_scale: the non-outlier channels' size; 1e-12: their share of the norm is below float64's
-            # rounding of the whole, so the screen's bound must come from their own sum of squares)
-            for k_scale, in_scale in ((1e-33, 1.0), (1.0, 0.0), (1.0, 1e-12), (0.0, 1.0)):  # (0: every channel tied)
-                pages = pages0.clone(), pages0.clone()
-                k = torch.randn(40, H, D, generator=torch.Generator().manual_seed(13)) * k_scale
-                k[:, :, 8:] *= in_scale  # (the outliers: the 8 channels of largest sum of squares, then these)
-                v = torch.randn(40, H, D, generator=torch.Generator().manual_seed(14))
-                k, v = k.to(dtype), v.to(dtype)
-                for w, p in zip(writers, pages):
-                    w(lc, p, k, v, torch.tensor([0, 40]), torch.tensor([40]), tables[:1])
-                assert torch.equal(pages[0], pages[1]), (isa, k_scale)
-    finally:
-        cpu.set_isa(before)
+    for isa in each_isa():
+        got = _window_write(writers[1], lc, pages0.clone(), tables, lens, H, D, seed=12)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), (isa, i)
+        # the float64 fallback for every sign, and S k_in = 0
+        # (in_scale: the non-outlier channels' size; 1e-12: their share of the norm is below float64's
+        # rounding of the whole, so the screen's bound must come from their own sum of squares)
+        for k_scale, in_scale in ((1e-33, 1.0), (1.0, 0.0), (1.0, 1e-12), (0.0, 1.0)):  # (0: every channel tied)
+            pages = pages0.clone(), pages0.clone()
+            k = torch.randn(40, H, D, generator=torch.Generator().manual_seed(13)) * k_scale
+            k[:, :, 8:] *= in_scale  # (the outliers: the 8 channels of largest sum of squares, then these)
+            v = torch.randn(40, H, D, generator=torch.Generator().manual_seed(14))
+            k, v = k.to(dtype), v.to(dtype)
+            for w, p in zip(writers, pages):
+                w(lc, p, k, v, torch.tensor([0, 40]), torch.tensor([40]), tables[:1])
+            assert torch.equal(pages[0], pages[1]), (isa, k_scale)
 
 
 @pytest.mark.parametrize("fmt,H", [("tada-4bit", 8), ("tada-2bit", 16), ("selective-int4", 3)])
@@ -250,28 +250,23 @@ def test_cpp_scaled_write_without_window_is_the_torch_path(fmt, H):
 
 
 @pytest.mark.parametrize("H", [3, 8])
-def test_tada_head_mean_shares_with_a_remainder(H):
+def test_tada_head_mean_shares_with_a_remainder(H, each_isa):
     """3 KV heads of 64 channels: each head's record keeps a share of 22, 22 and 20 channels of the per-token head
     mean, so a share's last vector overlaps the one before it; 8 heads: shares of 8 channels, narrower than an
     AVX-512 vector (the decoder assembles the mean first there).  Every ISA, bit for bit the torch path."""
     D = 64
     lc = make_cache("tada-4bit", D, False, torch.bfloat16, 1, H=H, GQ=3, block_size=32, window=16)
     pages, tables, _ = _write_prefix(lc, LENS[-4:], H, D, seed=4)
-    before = cpu.isa()
-    try:
-        for isa in cpu.supported_isas():
-            cpu.set_isa(isa)
-            for r, n in enumerate(LENS[-4:]):
-                got = cpu.gather_kv(lc, pages, tables[r], n - 1)
-                want = paged_torch.gather_kv(lc, pages, tables[r], n - 1)
-                assert all(torch.equal(a, b) for a, b in zip(got, want)), (isa, r)
-    finally:
-        cpu.set_isa(before)
+    for isa in each_isa():
+        for r, n in enumerate(LENS[-4:]):
+            got = cpu.gather_kv(lc, pages, tables[r], n - 1)
+            want = paged_torch.gather_kv(lc, pages, tables[r], n - 1)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (isa, r)
 
 
 @pytest.mark.parametrize("GQ", [3, 5])
 @pytest.mark.parametrize("fmt,H", [("tada-4bit", 3), ("tada-4bit", 8), ("selective-int4", 3)])
-def test_rows_decode_over_head_groups_and_mean_shares(fmt, H, GQ):
+def test_rows_decode_over_head_groups_and_mean_shares(fmt, H, GQ, each_isa):
     """The rows' formats' fast decode (AVX-512: keys scored and values accumulated straight from the codes, csrc
     rows_kscores / rows_pv, 4 query heads at a time: 5 are a group of 4 and one alone); TaDA's head mean assembled
     from the heads' shares, 22, 22 and 20 channels (3 heads: a share's last vector overlapping the one before it) or 8
@@ -280,16 +275,11 @@ def test_rows_decode_over_head_groups_and_mean_shares(fmt, H, GQ):
     D = 64
     lc = make_cache(fmt, D, False, torch.bfloat16, 1, H=H, GQ=GQ, block_size=32, window=16)
     pages, tables, q, key, val, sl, scale, ref, _ = _decode_case(lc, H, GQ, D)
-    before = cpu.isa()
-    try:
-        for isa in cpu.supported_isas():
-            cpu.set_isa(isa)
-            for split_tiles in (cpu.SPLIT_TILES, 1):
-                out = cpu.decode_attention(lc, pages, q, key, val, sl, tables, scale, split_tiles=split_tiles)
-                err = (out.float() - ref.float()).abs().max().item()
-                assert err <= 2 * _tol(lc.dtype, ref), (isa, split_tiles, err)
-    finally:
-        cpu.set_isa(before)
+    for isa in each_isa():
+        for split_tiles in (cpu.SPLIT_TILES, 1):
+            out = cpu.decode_attention(lc, pages, q, key, val, sl, tables, scale, split_tiles=split_tiles)
+            err = (out.float() - ref.float()).abs().max().item()
+            assert err <= 2 * _tol(lc.dtype, ref), (isa, split_tiles, err)
 
 
 def _decode_case(lc, H, GQ, D):
@@ -310,36 +300,31 @@ def _decode_case(lc, H, GQ, D):
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_decode_matches_reference(case):
+def test_decode_matches_reference(case, each_isa):
     """Both decodes (exact, fast), two splittings, on every ISA variant, against the torch path (references computed
     once: they dominate the cost)."""
     H, GQ, D = 2, 3, case[1]
     lc = _cache(case, H=H, GQ=GQ)
     pages, tables, q, key, val, sl, scale, ref, want64 = _decode_case(lc, H, GQ, D)
     R = len(LENS)
-    before = cpu.isa()
-    try:
-        for isa in cpu.supported_isas():
-            cpu.set_isa(isa)
-            for split_tiles in (cpu.SPLIT_TILES, 1):
-                out = cpu.decode_attention(lc, pages, q, key, val, sl, tables, scale, split_tiles=split_tiles,
-                                           exact=True)
-                err = (out.float() - ref.float()).abs().amax((1, 2))
-                assert err.max() <= _tol(lc.dtype, ref), (isa, split_tiles, err.tolist())
-                got = cpu.decode_attention(lc, pages, q, key, val, sl, tables, scale, out=torch.empty(R, H * GQ, D),
-                                           split_tiles=split_tiles, exact=True)  # float32 vs the float64 oracle
-                assert (got.double() - want64).abs().max() <= 1e-5 * max(1.0, want64.abs().max().item()), isa
-                out = cpu.decode_attention(lc, pages, q, key, val, sl, tables, scale, split_tiles=split_tiles)
-                assert (out.float() - ref.float()).abs().max() <= 2 * _tol(lc.dtype, ref), (isa, split_tiles)
-    finally:
-        cpu.set_isa(before)
+    for isa in each_isa():
+        for split_tiles in (cpu.SPLIT_TILES, 1):
+            out = cpu.decode_attention(lc, pages, q, key, val, sl, tables, scale, split_tiles=split_tiles,
+                                       exact=True)
+            err = (out.float() - ref.float()).abs().amax((1, 2))
+            assert err.max() <= _tol(lc.dtype, ref), (isa, split_tiles, err.tolist())
+            got = cpu.decode_attention(lc, pages, q, key, val, sl, tables, scale, out=torch.empty(R, H * GQ, D),
+                                       split_tiles=split_tiles, exact=True)  # float32 vs the float64 oracle
+            assert (got.double() - want64).abs().max() <= 1e-5 * max(1.0, want64.abs().max().item()), isa
+            out = cpu.decode_attention(lc, pages, q, key, val, sl, tables, scale, split_tiles=split_tiles)
+            assert (out.float() - ref.float()).abs().max() <= 2 * _tol(lc.dtype, ref), (isa, split_tiles)
 
 
 
 
 @pytest.mark.parametrize("GQ", [3, 4])
 @pytest.mark.parametrize("case", QJL_CASES, ids=QJL_IDS)
-def test_qjl_decode_scores_the_sketches(case, GQ):
+def test_qjl_decode_scores_the_sketches(case, GQ, each_isa):
     """The decode attention straight from QJL's sketches (no key reconstructed) against the torch path, which decodes
     every key's surrogate k_hat and attends to it: on every ISA, both decodes, two splittings, within the model
     dtype's rounding (the torch path rounds k_hat to it, the kernel never forms it), and a float32 model's output
@@ -350,24 +335,19 @@ def test_qjl_decode_scores_the_sketches(case, GQ):
     lc = make_cache(fmt, D, False, dtype, layer, H=H, GQ=GQ, block_size=bs, window=window)
     assert cpu.supports(lc)
     pages, tables, q, key, val, sl, scale, ref, want64 = _decode_case(lc, H, GQ, D)
-    before = cpu.isa()
-    try:
-        for isa in cpu.supported_isas():
-            cpu.set_isa(isa)
-            for split_tiles in (cpu.SPLIT_TILES, 1):
-                for exact in (True, False):
-                    out = cpu.decode_attention(lc, pages, q, key, val, sl, tables, scale, split_tiles=split_tiles,
-                                               exact=exact)
-                    err = (out.float() - ref.float()).abs().max().item()
-                    assert err <= _tol(dtype, ref), (isa, split_tiles, exact, err)
-                    if dtype == torch.float32:
-                        assert (out.double() - want64).abs().max() <= 1e-5 * max(1.0, want64.abs().max().item())
-    finally:
-        cpu.set_isa(before)
+    for isa in each_isa():
+        for split_tiles in (cpu.SPLIT_TILES, 1):
+            for exact in (True, False):
+                out = cpu.decode_attention(lc, pages, q, key, val, sl, tables, scale, split_tiles=split_tiles,
+                                           exact=exact)
+                err = (out.float() - ref.float()).abs().max().item()
+                assert err <= _tol(dtype, ref), (isa, split_tiles, exact, err)
+                if dtype == torch.float32:
+                    assert (out.double() - want64).abs().max() <= 1e-5 * max(1.0, want64.abs().max().item())
 
 
 @pytest.mark.parametrize("case", QJL_CASES, ids=QJL_IDS)
-def test_qjl_gather_decodes_the_surrogate_keys(case):
+def test_qjl_gather_decodes_the_surrogate_keys(case, each_isa):
     """A prefill chunk's context from QJL's pages in C++: the values bit for bit the torch path's, the keys its
     surrogates k_hat summed in another order - equal to the torch path's but where float32 rounding moved a value
     across a model-dtype rounding boundary (at most one unit there; float32: float32 rounding), on every ISA."""
@@ -377,22 +357,17 @@ def test_qjl_gather_decodes_the_surrogate_keys(case):
     pages, tables, _ = _write_prefix(lc, LENS, H, D, seed=1)
     # a model-dtype unit (float32: the rounding of m + m_o signed terms)
     unit = {torch.float32: 2.0 ** -16, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
-    before = cpu.isa()
-    try:
-        for isa in cpu.supported_isas():
-            cpu.set_isa(isa)
-            same = total = 0
-            for r, n in enumerate(LENS):
-                K, V = cpu.gather_kv(lc, pages, tables[r], n - 1)
-                EK, EV = paged_torch.gather_kv(lc, pages, tables[r], n - 1)
-                assert torch.equal(V, EV), (isa, r)
-                d = (K.float() - EK.float()).abs()
-                assert (d <= unit * EK.float().abs().clamp_min(1.0)).all(), (isa, r, d.max().item())
-                same, total = same + int((K == EK).sum()), total + K.numel()
-            if dtype != torch.float32:
-                assert same >= 0.98 * total, (isa, same, total)  # rounding flips, not another key
-    finally:
-        cpu.set_isa(before)
+    for isa in each_isa():
+        same = total = 0
+        for r, n in enumerate(LENS):
+            K, V = cpu.gather_kv(lc, pages, tables[r], n - 1)
+            EK, EV = paged_torch.gather_kv(lc, pages, tables[r], n - 1)
+            assert torch.equal(V, EV), (isa, r)
+            d = (K.float() - EK.float()).abs()
+            assert (d <= unit * EK.float().abs().clamp_min(1.0)).all(), (isa, r, d.max().item())
+            same, total = same + int((K == EK).sum()), total + K.numel()
+        if dtype != torch.float32:
+            assert same >= 0.98 * total, (isa, same, total)  # rounding flips, not another key
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4], CASES[7], QJL_CASES[1][:5]],
