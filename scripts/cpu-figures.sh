@@ -6,7 +6,7 @@
 # avx512, avx2): kernels.cpu-<class>.*, throughput.smollm2-cpu-<class>.*, retrieval.smollm2-cpu-<class>.*; the
 # README's tables are regenerated last.  Why a script: the class's calibration artifact, the names and the flags
 # must match the earlier runs for the figures to compare, and a session with a rare machine (AMX) should spend
-# it measuring.  The files a run replaces are kept first under <bench>-runs/<date>-before-<bench>-<time>.*.
+# it measuring.  The files a run replaces are kept first under <bench>-runs/<date>-before-<LABEL or time>.*.
 #
 #   bash scripts/cpu-figures.sh                         # all three (~1.5-2 h on a 2-core machine)
 #   bash scripts/cpu-figures.sh kernels throughput      # some of them: kernels, throughput, retrieval
@@ -23,7 +23,7 @@ SUFFIX="-$CLASS"
 NAME="smollm2-cpu$SUFFIX"
 ART="runs/$CLASS/calibration.safetensors"
 RES=benchmarks/results
-STAMP=$(date -u +%Y-%m-%d)-before-$(date -u +%H%M)
+STAMP=$(date -u +%Y-%m-%d)-before-${LABEL:-$(date -u +%H%M)}  # LABEL=the-change-measured names them
 STEPS=("$@")
 [ ${#STEPS[@]} -gt 0 ] || STEPS=(kernels throughput retrieval)
 for s in "${STEPS[@]}"; do
@@ -40,9 +40,10 @@ keep() {  # keep() BASE: the result files BASE.{json,md,png} moved aside before 
   return 0
 }
 
-if [ ! -f "$ART" ]; then  # the plugin's codebook formats need one (~4 min)
-  "$PY" -m calibrate --formats temporalkv-2bit temporalkv-k4v2 --num-samples 4 --seq-len 1024 --output "$ART"
-fi
+artifact() {  # the served codebook formats need one (~4 min; the kernels' synthetic codebooks do not)
+  [ -f "$ART" ] || "$PY" -m calibrate --formats temporalkv-2bit temporalkv-k4v2 --num-samples 4 --seq-len 1024 \
+    --output "$ART"
+}
 # float32 where the CPU has no bf16 units: the dtype that serves there (and vLLM's op on a float32 cache)
 DT=()
 case "$CLASS" in avx2 | avx512 | scalar) DT=(--dtype f32) ;; esac
@@ -54,11 +55,13 @@ for s in "${STEPS[@]}"; do
       "$PY" -m benchmarks.kernels_cpu "${DT[@]}" --batch 1 8 --context 8192 \
         --formats temporalkv-2bit selective-int4 tada-4bit qjl --budget-s 5 --no-torch-path ;;
     throughput)
+      artifact
       keep "throughput-$NAME"
       "$PY" -m benchmarks.throughput --formats auto temporalkv-2bit selective-int4 tada-4bit \
         --shapes 4096-256:8 4096-16:8 --shape-names decode-heavy prefill-heavy --no-serve --name "$NAME" \
         --artifact "$ART" --step-breakdown ;;
     retrieval)
+      artifact
       keep "retrieval-$NAME"
       "$PY" -m benchmarks.retrieval --name "$NAME" --artifact "$ART" \
         --formats auto temporalkv-2bit temporalkv-k4v2 selective-int4 tada-4bit qjl --lengths 2048 4096 \

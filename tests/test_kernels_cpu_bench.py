@@ -45,6 +45,8 @@ def test_kernels_cpu_smoke(tmp_path):
         assert x["check_ok"] and x["max_abs_err"] <= x["tol"], x  # C++ vs the torch path
         if x["kind"] == "prefill":  # the timed chunk is the served one (ops.cpu.forward: write, then attend)
             assert x["served_max_abs_err"] <= x["tol"], x
+            # and its write alone is timed beside it (the encoding share of the chunk)
+            assert x["write_ms"] > 0 and x["write_fraction"] == x["write_ms"] / x["cpp_ms"], x
         assert x["cpp_ms"] > 0 and x["torch_ms"] > 0 and x["speedup_vs_torch"] > 0
         assert x["bytes_read"] > 0 and x["cpp_gbps"] > 0 and x["cpp_bw_fraction"] > 0
         # temporalkv-2bit: the codes are 1/8 of bf16 K+V
@@ -56,6 +58,7 @@ def test_kernels_cpu_smoke(tmp_path):
             assert rep["vllm"]["error"] and x["speedup_vs_sdpa"] > 0
     assert (out / f"kernels-cpu{cls}.md").is_file() and (out / f"kernels-cpu{cls}.png").is_file()
     assert "SMOKE" in (out / f"kernels-cpu{cls}.md").read_text()
+    assert "its write alone" in (out / f"kernels-cpu{cls}.md").read_text()
 
     # no headline anywhere: not next to the results, not in benchmarks/results
     assert not (out / "headline.json").exists()

@@ -160,6 +160,15 @@ def bench_format(a, lc, shape: str, fmt: str, B: int, L: int, Q: int, timer, bas
         pid = bt[torch.arange(B).repeat_interleave(Q), pos // lay.block_size].long()
         cpp = timer(lambda: cpu_ops.forward(lc, pages, q, key, val, qsl, sl, bt, pos, pid, scale, out=out,
                                             batch_invariant=False))
+        # the chunk's write alone (its blocks encoded, the rest stored exact), timed the same way: the part of the
+        # served chunk that vLLM's prefill rows leave out (their cache write is not timed), and on a CPU whose
+        # attention runs on AMX tiles the part no tile speeds up.  Writing the same tokens again stores the same
+        # pages (the forward above wrote them already).
+        if lc.layout.window:
+            wr = timer(lambda: cpu_ops.write_kv_window(lc, pages, key, val, qsl, sl, bt))
+        else:
+            wr = timer(lambda: cpu_ops.write_kv(lc, pages, key, val, pos, pid))
+        row.update(write_ms=wr["ms"], write_fraction=wr["ms"] / cpp["ms"])
     tp = None
     if a.torch_path:
         tp = timer(lambda: paged_torch.paged_attention(lc, pages, q, key, val, qsl, sl, bt, scale, out=out,

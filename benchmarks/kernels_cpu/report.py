@@ -99,6 +99,12 @@ def markdown(report: dict) -> str:
                 f"C++ {r['format']} {r['tokens_per_s']:.0f}" for r in pre) + (
                 f"; vLLM {dt} {pre[0]['Q'] / (pre[0]['vllm_ms'] * 1e-3):.0f}" if pre[0]["vllm_ms"] else "")
                 + "."]
+            wr = [r for r in pre if r.get("write_ms") is not None]
+            if wr:  # (runs before 2026-12-01 did not time it)
+                lines += ["", "Of the served chunk's C++ ms, its write alone (the chunk's blocks encoded; vLLM's rows "
+                          "leave their cache write out): " + ", ".join(
+                              f"{r['format']} {r['write_ms']:.3f} ms ({100 * r['write_fraction']:.0f}%)" for r in wr)
+                          + "."]
         lines.append("")
     if report.get("headline"):
         lines += ["Headline figures: " + ", ".join(f"`{k}` {v:.2f}" for k, v in report["headline"].items()), ""]
