@@ -2927,7 +2927,9 @@ inline void qjl_sign_rows(const float* ST, int ld, int rows, const float* X, int
     }
     for (int t = 0; t < BLOCK; ++t) {
       unsigned pos = le_mask(vbc(thr[t]), acc[t]);
-      const unsigned open = ~(pos | le_mask(vbc(thr[t]), -acc[t])) & ((1u << W) - 1);
+      // (a row of exact zeros - nrm 0 - has every sum exactly 0 and every sign bit 0, float64 or not: none is summed
+      // again, where each of its W lanes would sum its nch products in float64 one after the other)
+      const unsigned open = nrm[t] == 0.f ? 0u : ~(pos | le_mask(vbc(thr[t]), -acc[t])) & ((1u << W) - 1);
       for (unsigned o = open; o; o &= o - 1) {  // near 0 (or not finite): the float64 sum decides
         const int j = j0 + __builtin_ctz(o);
         double p = 0.0;
@@ -2988,8 +2990,14 @@ inline void encode_qjl_rows(const Codec& cd, const Layout& L, const float* X, ui
     const uint16_t h[2] = {f32_to_fp16((float)__builtin_sqrt(all)), f32_to_fp16((float)__builtin_sqrt(out))};
     __builtin_memcpy(nrm + 4 * t, h, 4);
     // the screen's bounds: the restricted norms, generously rounded up (a factor 2 to spare in the threshold)
-    n_in[t] = (float)__builtin_sqrt(in) * 1.001f;
-    n_out[t] = (float)__builtin_sqrt(out) * 1.001f;
+    // (0 exactly where the restricted row is all zeros - a nonzero float's square is a normal double - else at least
+    // the smallest float: qjl_sign_rows skips the float64 sums of a zero row only)
+    auto bound = [](double q) {
+      const float b = (float)__builtin_sqrt(q) * 1.001f;
+      return q == 0.0 ? 0.f : b < 0x1p-149f ? 0x1p-149f : b;  // (NaN: b, as before)
+    };
+    n_in[t] = bound(in);
+    n_out[t] = bound(out);
   }
   qjl_sign_rows(cd.cent, m, m, X, D, chan_in, nin, cd.smax, n_in, in_bits);  // S k_in
   qjl_sign_rows(cd.cent, m, mo, X, D, chan_out, QJL_OUTLIERS, cd.smax, n_out, out_bits);  // S_o k_out
