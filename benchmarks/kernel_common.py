@@ -71,19 +71,21 @@ def make_layer_cache(shape: str, fmt_name: str, dtype, block_size: int, hybrid_k
                             num_kv_heads=H, artifact=art, outliers=outliers, device=device)
 
 
-def fill_pages(lc, B: int, L: int, H: int, D: int, device):
+def fill_pages(lc, B: int, L: int, H: int, D: int, device, written: int | None = None):
     """Pages of B requests x L tokens, as a served cache would hold them: random code bytes (every
     byte is a valid code of every format), finite random half values in the sinks/tail region,
     distinct in-range outlier positions; pages scattered by a random block table.  The calibration-free formats
     (fp16 scales, head means, QJL's norms and channel indices: random bytes would be NaNs and channels past the
-    head) are written by their encoder from random K/V instead."""
+    head) are written by their encoder from random K/V instead: the first ``written`` tokens (default L) - a prefill
+    chunk's context, whose recent window the chunk's write then reads from the ring as a served chunk does (pages
+    written through L held other rows there: rows of zeros, which QJL's sign screen resolved in float64)."""
     from vllm_temporalkv.page_views import outlier_views, region_view
 
     lay = lc.layout
     per = -(-L // lay.block_size)
     n = B * per
     if not lay.fmt.needs_calibration:
-        return _encoded_pages(lc, B, L, H, D, per, device)
+        return _encoded_pages(lc, B, L if written is None else written, H, D, per, device)
     pages = torch.randint(0, 256, (n, H, lay.bytes), dtype=torch.uint8, device=device)
     region = region_view(lay, pages, lc.store_dtype)
     region.copy_(torch.randn(region.shape, dtype=lc.dtype, device=device))
@@ -99,7 +101,8 @@ def fill_pages(lc, B: int, L: int, H: int, D: int, device):
 
 
 def _encoded_pages(lc, B: int, L: int, H: int, D: int, per: int, device):
-    """fill_pages for the calibration-free formats: each request's L random K/V tokens written by the torch path."""
+    """fill_pages for the calibration-free formats: each request's L random K/V tokens written by the torch path
+    (into ``per`` pages per request)."""
     from vllm_temporalkv.ops import paged_torch
 
     pages = torch.zeros(B * per, H, lc.layout.bytes, dtype=torch.uint8, device=device)

@@ -116,7 +116,8 @@ def bench_format(a, lc, shape: str, fmt: str, B: int, L: int, Q: int, timer, bas
     row = dict(kind=kind, shape=shape, B=B, L=L, Q=Q, offset=L - Q, format=fmt, block_size=lay.block_size,
                dtype=str(dtype)[6:])
     torch.manual_seed(a.seed)
-    pages, bt = fill_pages(lc, B, L, H, D, torch.device("cpu"))
+    # (a prefill chunk's context: the L - Q tokens before it, its own written by the timed call)
+    pages, bt = fill_pages(lc, B, L, H, D, torch.device("cpu"), written=L - Q if Q > 1 else L)
     row["cache_bytes"] = pages.numel()
     q = torch.randn(B * Q, HQ, D).to(dtype)
     key = torch.randn(B * Q, H, D).to(dtype)
