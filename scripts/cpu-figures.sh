@@ -31,7 +31,7 @@ for s in "${STEPS[@]}"; do
 done
 echo "machine: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs), $(nproc) CPUs, class $CLASS"
 
-keep() {  # keep() BASE: the result files BASE.{json,md,png} moved aside before a run replaces them
+keep() {  # keep() BASE: the result files BASE.{json,md,png} copied aside before a run replaces them
   local f
   mkdir -p "$RES/$1-runs"
   for f in "$RES/$1".json "$RES/$1".md "$RES/$1".png; do
