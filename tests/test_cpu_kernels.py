@@ -134,7 +134,8 @@ def test_nearest_screen_misses_no_near_tie(v, isa):
     """The kernels screen with ||c||^2 - 2 u.c and decide within a proven rounding bound (kernels_impl.h
     nearest_screen): against the contract's distance to every centroid, on inputs built to defeat a screen -
     16 centroids on a sphere around each point (distances equal up to rounding: more near-ties than the torch
-    reference's top-4 screen keeps), 1-ulp neighbours, magnitudes near the screen's 1e30 limit and past it
+    reference's top-4 screen keeps; also 10 centroids 16 apart, which AVX-512's screen holds in one lane), 1-ulp
+    neighbours, magnitudes near the screen's 1e30 limit and past it
     (the full search), products that underflow."""
     g = torch.Generator().manual_seed(v)
     K, N = 256, 512
@@ -142,6 +143,10 @@ def test_nearest_screen_misses_no_near_tie(v, isa):
     X = torch.randn(4, N, v, generator=g)
     d = torch.randn(4, 16, v, generator=g)
     C[:, 16:32] = X[:, :1] + 0.25 * d / d.norm(dim=-1, keepdim=True)  # a sphere around point 0 of each row
+    # a sphere around point 128 of centroids 16 apart (one lane of a vector of 16 screens, AVX-512's two-minima
+    # screen must see them apart), and around point 129 one of both kinds
+    C[:, 96:256:16] = X[:, 128:129] + 0.25 * d[:, :10] / d[:, :10].norm(dim=-1, keepdim=True)
+    C[:, [97, 113, 98, 114]] = X[:, 129:130] + 0.25 * d[:, :4] / d[:, :4].norm(dim=-1, keepdim=True)
     C[:, 40:48] = torch.nextafter(C[:, 32:40], torch.tensor(1e9))  # 1-ulp neighbours of other centroids
     X[:, 1:64] = C[:, 32:95]  # points on centroids
     X[:, 64:128] = (C[:, 32:96] + C[:, 40:104]) / 2  # between two centroids
