@@ -2561,10 +2561,11 @@ inline int lane_single(const float* S, int lane, int K, float thr) {
 // is k*.  A vector whose a + M is not finite and below 1e30 (overflow, inf, NaN: cmax is NaN when a centroid is)
 // is searched in full; below it every screen is finite.
 // K <= 256, a multiple of W; U's vectors `us` floats apart; csq [K] the centroids' squared norms.
-// one row of W screens (centroids k0 ..) for NV vectors (U2: their -2 u)
-template <int NV, class TT>
+// one row of W screens (centroids k0 ..) for NV vectors (U2: their -2 u); VC: v where known at compile time, else 0
+template <int NV, class TT, int VC>
 __attribute__((always_inline)) inline void screen_row(vf* s, const float (*U2)[8], const TT* CT, const float* csq,
-                                                      int K, int v, int k0) {
+                                                      int K, int v_, int k0) {
+  const int v = VC ? VC : v_;
   const vf q = vload(csq + k0), c0 = vload_tab(CT + k0);
   for (int n = 0; n < NV; ++n) s[n] = vfma(vbc(U2[n][0]), c0, q);
   for (int e = 1; e < v; ++e) {
@@ -2586,9 +2587,10 @@ inline bool lone_lane(unsigned at, vf x, vf thr) {
   return !(at & (at - 1)) && !le_mask(vblend(at, vbc(__builtin_inff()), x), thr);
 }
 
-template <int NV, class TT = float>
-inline void nearest_screen(const float* U, int us, const TT* CT, const float* csq, float cmax, int K, int v,
+template <int NV, class TT = float, int VC = 0>  // VC: v where known at compile time (2, 4, 8), else 0
+inline void nearest_screen(const float* U, int us, const TT* CT, const float* csq, float cmax, int K, int v_,
                            int* out) {
+  const int v = VC ? VC : v_;
   float U2[NV][8];  // -2 u: each FMA's broadcast operand read from memory
   for (int n = 0; n < NV; ++n)
     for (int e = 0; e < v; ++e) U2[n][e] = -2.f * U[n * us + e];
@@ -2607,7 +2609,7 @@ inline void nearest_screen(const float* U, int us, const TT* CT, const float* cs
     for (int n = 0; n < NV; ++n) m1[n] = r[n] = vbc(__builtin_inff());
     for (int k0 = 0; k0 < K; k0 += W) {
       vf s[NV];
-      screen_row<NV>(s, U2, CT, csq, K, v, k0);
+      screen_row<NV, TT, VC>(s, U2, CT, csq, K, v, k0);
       for (int n = 0; n < NV; ++n) {
         m1[n] = vmin(m1[n], s[n]);
         r[n] = vmin((vf)_mm512_alignr_epi32((__m512i)r[n], (__m512i)r[n], 1), s[n]);
@@ -2638,7 +2640,7 @@ inline void nearest_screen(const float* U, int us, const TT* CT, const float* cs
   for (int n = 0; n < NV; ++n) m1[n] = vbc(__builtin_inff());
   for (int k0 = 0; k0 < K; k0 += W) {
     vf s[NV];
-    screen_row<NV>(s, U2, CT, csq, K, v, k0);
+    screen_row<NV, TT, VC>(s, U2, CT, csq, K, v, k0);
     for (int n = 0; n < NV; ++n) {
       vstore(S[n] + k0, s[n]);
       m1[n] = vmin(m1[n], s[n]);
@@ -2808,8 +2810,13 @@ inline void encode_groups(const Codec& cd, int h, const float* X, uint8_t* out, 
       constexpr int NV = SCREEN_NV;
       const float* csq = cd.csq + ((int64_t)h * G + gi) * KC;
       const float cmax = cd.cmax[(int64_t)h * G + gi];
-      for (int nv = 0; nv < BLOCK; nv += NV)
-        nearest_screen<NV, TT>(U + nv * 8, 8, CT, csq, cmax, KC, l, idx + nv);
+      // the vector length known at compile time: the loop's FMAs unrolled, no tests of l per row of screens
+      for (int nv = 0; nv < BLOCK; nv += NV) switch (l) {
+          case 2: nearest_screen<NV, TT, 2>(U + nv * 8, 8, CT, csq, cmax, KC, l, idx + nv); break;
+          case 4: nearest_screen<NV, TT, 4>(U + nv * 8, 8, CT, csq, cmax, KC, l, idx + nv); break;
+          case 8: nearest_screen<NV, TT, 8>(U + nv * 8, 8, CT, csq, cmax, KC, l, idx + nv); break;
+          default: nearest_screen<NV, TT>(U + nv * 8, 8, CT, csq, cmax, KC, l, idx + nv); break;
+        }
     } else {
       for (int nv = 0; nv < BLOCK; ++nv) idx[nv] = nearest1(U + nv * 8, CT, KC, l);
     }
