@@ -405,7 +405,16 @@ void decode_attention(const at::Tensor& pages, const at::Tensor& q, const at::Te
   a.part = part.data_ptr<float>();
   a.out = out.data_ptr<float>();
   const Kernels* kern = g_kernels;
-  parallel_items(R * H * S, [&](int64_t i) { kern->decode_item(a, i); });
+  if (a.k.method == TADA || a.v.method == TADA) {
+    // TaDA's items in (request, split, KV head) order: a split's KV heads one after the other, so the head mean
+    // they all read (stored once per token, a share in each head's record) comes from a cache for all but the first:
+    // kernels_cpu decode at batch 8 x 8k, SmolLM2's shape, ~3.3 -> ~2.8 ms, Llama-8B's ~15.5 -> ~14.7 ms (AMD EPYC).
+    // The partial sums keep their places, so the merge and the outputs do not change.  (The codebook formats lost
+    // ~3% in this order at Llama-8B's shape: each item then fetches another head's tables.)
+    parallel_items(R * H * S, [&](int64_t i) { kern->decode_item(a, ((i / (S * H) * H) + i % H) * S + i / H % S); });
+  } else {
+    parallel_items(R * H * S, [&](int64_t i) { kern->decode_item(a, i); });
+  }
   parallel_items(R * H, [&](int64_t i) { kern->decode_merge(a, i); });
 }
 
