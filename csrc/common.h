@@ -57,6 +57,8 @@ struct Codec {
   float smax;            // QJL (encode): the largest norm of a row of S (encode_blocks; the sign screen's bound)
   int half_exact;        // cent16 holds the centroids exactly (fp16 ones: artifacts'): the gather reads it (half the
                          // bytes; its codebooks are cold in a served layer step), bit-identical to cent
+  const float* qlut = nullptr;  // QJL (gather, where it pays): [m / 4][16][D], every signed sum of 4 rows of S
+                                // (ops.cpp qjl_table; qjl_surrogate_rows)
 };
 
 struct Layout {

@@ -1102,12 +1102,52 @@ inline void qjl_block(const Codec& K, int D, int g, const float* qr, const float
 // torch path decodes for a prefill chunk's attention): channel c's signed sum of column c of S (S_o on the block's
 // outlier channels) times sqrt(pi/2)/m ||k_in|| (sqrt(pi/2)/m_o ||k_out||), in float32 - in another order than the
 // torch path's matmul, so it may differ from it by float32 rounding (a model-dtype unit where that rounding flips)
+// With the table of signed 4-row sums (K.qlut, ops.cpp qjl_table): a key's sums are its m / 4 table rows (picked by
+// its sign nibbles) added in order, ~1/4 of the vector ops; the outlier channels' likewise over its m_o / 4.  The same
+// sums in another order again (float32 rounding), and the same on every ISA (each channel summed alone, in order).
+template <int DC>
+inline void qjl_table_rows(const Codec& K, int D_, const QjlBlock& qb, const bool* outlier, float* dst) {
+  const int D = DC ? DC : D_, m = qb.m, mo = qb.mo;
+  constexpr int NV = (DC ? DC : MAX_D) / W;
+  const float* T = K.qlut;
+  for (int t = 0; t < BLOCK; ++t) {
+    float* x = dst + t * D;
+    vf acc[NV];
+    for (int v = 0; v < D / W; ++v) acc[v] = vf{};
+    const uint8_t* row = qb.in + t * (m / 8);
+    for (int g = 0; g < m / 4; ++g) {
+      const float* tr = T + ((int64_t)g * 16 + ((row[g >> 1] >> ((g & 1) * 4)) & 15)) * D;
+      for (int v = 0; v < D / W; ++v) acc[v] = acc[v] + vload(tr + v * W);
+    }
+    for (int v = 0; v < D / W; ++v) vstore(x + v * W, acc[v]);
+    float ai, ao;
+    qb.factors(t, &ai, &ao);
+    const uint8_t* ro = qb.out + t * (mo / 8);
+    for (int c = 0; c < D; ++c) {
+      if (outlier[c]) {
+        float y = 0.f;
+        for (int g = 0; g < mo / 4; ++g) y = y + T[((int64_t)g * 16 + ((ro[g >> 1] >> ((g & 1) * 4)) & 15)) * D + c];
+        x[c] = ao * y;
+      } else {
+        x[c] = ai * x[c];
+      }
+    }
+  }
+}
+
 inline void qjl_surrogate_rows(const Codec& K, int D, const uint8_t* blk, float* dst) {
   const QjlBlock qb(K, blk);
   const int m = qb.m, mo = qb.mo;
   bool outlier[MAX_D] = {};
   for (int o = 0; o < QJL_OUTLIERS; ++o)
     if (qb.oc[o] < D) outlier[qb.oc[o]] = true;
+  if (K.qlut) {
+    switch (D) {
+      case 64: qjl_table_rows<64>(K, D, qb, outlier, dst); return;
+      case 128: qjl_table_rows<128>(K, D, qb, outlier, dst); return;
+      default: qjl_table_rows<0>(K, D, qb, outlier, dst); return;
+    }
+  }
   const vi lanebit = lane_bits();
   for (int t = 0; t < BLOCK; ++t) {
     float* x = dst + t * D;

@@ -420,6 +420,35 @@ void decode_attention(const at::Tensor& pages, const at::Tensor& q, const at::Te
 
 // The first n cached tokens of one sequence -> (K post-RoPE, V) [n, H, D] in the model dtype (a
 // half dtype, or float32), bit-identical to paged_torch.gather_kv.  cos/sin: [P >= n, D/2] from Rope.cos_sin.
+// QJL's table for the surrogate keys of many blocks (qjl_surrogate_rows): T[g][nib][c] = the signed sum of rows 4g ..
+// 4g + 3 of S in channel c, row 4g + b taken positive where bit b of nib is set - (+-S[4g] +- S[4g+1]) + (+-S[4g+2]
+// +- S[4g+3]) in float32.  A key's m signed rows are then m / 4 table rows added, not m rows multiplied.  S^T [D][m]
+// (K.cent) is transposed to rows first; the table is m / 4 x 16 x D floats (1 MB at Llama-8B's first layers' sketch).
+void qjl_table(const Codec& K, int64_t D, std::vector<float>& S, std::vector<float>& T) {
+  const int64_t m = K.chunk;
+  S.resize((size_t)(m * D));
+  T.resize((size_t)(m / 4 * 16 * D));
+  for (int64_t c = 0; c < D; ++c)
+    for (int64_t j = 0; j < m; ++j) S[j * D + c] = K.cent[c * m + j];
+  std::vector<float> pair((size_t)(8 * D));  // the 4 signed sums of rows 4g, 4g + 1, then of 4g + 2, 4g + 3
+  for (int64_t g = 0; g < m / 4; ++g) {
+    for (int h = 0; h < 2; ++h) {
+      const float* r0 = S.data() + (4 * g + 2 * h) * D;
+      const float* r1 = r0 + D;
+      for (int k = 0; k < 4; ++k) {
+        float* p = pair.data() + (h * 4 + k) * D;
+        for (int64_t c = 0; c < D; ++c) p[c] = ((k & 1) ? r0[c] : -r0[c]) + ((k & 2) ? r1[c] : -r1[c]);
+      }
+    }
+    for (int nib = 0; nib < 16; ++nib) {
+      const float* lo = pair.data() + (nib & 3) * D;
+      const float* hi = pair.data() + (4 + (nib >> 2)) * D;
+      float* t = T.data() + (g * 16 + nib) * D;
+      for (int64_t c = 0; c < D; ++c) t[c] = lo[c] + hi[c];
+    }
+  }
+}
+
 std::vector<at::Tensor> gather(const at::Tensor& pages, const at::Tensor& block_table, int64_t n,
                                const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& kt,
                                const std::vector<int64_t>& ki, const std::vector<at::Tensor>& vt,
@@ -495,6 +524,13 @@ std::vector<at::Tensor> gather(const at::Tensor& pages, const at::Tensor& block_
     }
   }
   const Kernels* kern = g_kernels;
+  // QJL's keys from the table of signed 4-row sums where enough blocks are read to pay for it (its ~50 us, about
+  // what 8 blocks of one head cost without it)
+  thread_local std::vector<float> qs, qt;
+  if (a.k.method == QJL && (full - 1) * H >= 16 && D % 16 == 0 && a.k.chunk % 8 == 0 && a.k.kc <= a.k.chunk) {
+    qjl_table(a.k, D, qs, qt);
+    a.k.qlut = qt.data();
+  }
   if (full > 1)
     parallel_heads(full - 1, H, [&](int64_t i) { kern->gather_block(a, i); }, [&](int64_t h) {
       prefetch_head(a.k, a.lay.D, h, false);
