@@ -1098,10 +1098,6 @@ inline void qjl_block(const Codec& K, int D, int g, const float* qr, const float
   for (; i < g; ++i) qjl_scores8<1>(sb + i * ms, ms, m, mo, qb, af, tot + 2 * i, lanebit, o + i * DTILE);
 }
 
-// QJL's surrogate keys k_hat of one block's 8 tokens, rows dst[t * D + c] (codecs/qjl.py key_surrogate, what the
-// torch path decodes for a prefill chunk's attention): channel c's signed sum of column c of S (S_o on the block's
-// outlier channels) times sqrt(pi/2)/m ||k_in|| (sqrt(pi/2)/m_o ||k_out||), in float32 - in another order than the
-// torch path's matmul, so it may differ from it by float32 rounding (a model-dtype unit where that rounding flips)
 // With the table of signed 4-row sums (K.qlut, ops.cpp qjl_table): a key's sums are its m / 4 table rows (picked by
 // its sign nibbles) added in order, ~1/4 of the vector ops; the outlier channels' likewise over its m_o / 4.  The same
 // sums in another order again (float32 rounding), and the same on every ISA (each channel summed alone, in order).
@@ -1135,6 +1131,10 @@ inline void qjl_table_rows(const Codec& K, int D_, const QjlBlock& qb, const boo
   }
 }
 
+// QJL's surrogate keys k_hat of one block's 8 tokens, rows dst[t * D + c] (codecs/qjl.py key_surrogate, what the
+// torch path decodes for a prefill chunk's attention): channel c's signed sum of column c of S (S_o on the block's
+// outlier channels) times sqrt(pi/2)/m ||k_in|| (sqrt(pi/2)/m_o ||k_out||), in float32 - in another order than the
+// torch path's matmul, so it may differ from it by float32 rounding (a model-dtype unit where that rounding flips)
 inline void qjl_surrogate_rows(const Codec& K, int D, const uint8_t* blk, float* dst) {
   const QjlBlock qb(K, blk);
   const int m = qb.m, mo = qb.mo;
@@ -2581,19 +2581,6 @@ inline int lane_single(const float* S, int lane, int K, float thr) {
   return found;
 }
 
-// The same answers as nearest_n (the contract's argmin, ties to the lowest index) with ~2/3 of its arithmetic: a
-// screen s_k = ||c_k||^2 - 2 u.c_k (one FMA per float instead of a subtract, a multiply and an add); when the
-// smallest screen of all is more than T below every other, its centroid is the answer, else (rare: near-ties)
-// nearest_n searches in full.
-// Why T proves it: with a = ||u||^2 and M = max ||c||^2, the contract's distance d_k is within gamma(v + 2) * 2 (a
-// + M) of the true one (v subtractions, squares and adds in float), the screen within gamma(3v) (a + 2M) of the
-// true s_k (csq's own sum plus v multiply-adds, fused or not), gamma(n) = n 2^-24 / (1 - n 2^-24).  If k* is the
-// contract's argmin and j the screen's, d_k* <= d_j gives s~_k* <= s~_j + 2 gamma(3v) (a + 2M) + 4 gamma(v + 2)
-// (a + M) < s~_j + 2^-15 (a + M) for v <= 8 (~4x margin, which also covers the rounding of a, M and the
-// threshold's own sum; 1e-30 covers underflow in the products): a centroid alone within T of the smallest screen
-// is k*.  A vector whose a + M is not finite and below 1e30 (overflow, inf, NaN: cmax is NaN when a centroid is)
-// is searched in full; below it every screen is finite.
-// K <= 256, a multiple of W; U's vectors `us` floats apart; csq [K] the centroids' squared norms.
 // one row of W screens (centroids k0 ..) for NV vectors (U2: their -2 u); VC: v where known at compile time, else 0
 template <int NV, class TT, int VC>
 __attribute__((always_inline)) inline void screen_row(vf* s, const float (*U2)[8], const TT* CT, const float* csq,
@@ -2620,6 +2607,19 @@ inline bool lone_lane(unsigned at, vf x, vf thr) {
   return !(at & (at - 1)) && !le_mask(vblend(at, vbc(__builtin_inff()), x), thr);
 }
 
+// The same answers as nearest_n (the contract's argmin, ties to the lowest index) with ~2/3 of its arithmetic: a
+// screen s_k = ||c_k||^2 - 2 u.c_k (one FMA per float instead of a subtract, a multiply and an add); when the
+// smallest screen of all is more than T below every other, its centroid is the answer, else (rare: near-ties)
+// nearest_n searches in full.
+// Why T proves it: with a = ||u||^2 and M = max ||c||^2, the contract's distance d_k is within gamma(v + 2) * 2 (a
+// + M) of the true one (v subtractions, squares and adds in float), the screen within gamma(3v) (a + 2M) of the
+// true s_k (csq's own sum plus v multiply-adds, fused or not), gamma(n) = n 2^-24 / (1 - n 2^-24).  If k* is the
+// contract's argmin and j the screen's, d_k* <= d_j gives s~_k* <= s~_j + 2 gamma(3v) (a + 2M) + 4 gamma(v + 2)
+// (a + M) < s~_j + 2^-15 (a + M) for v <= 8 (~4x margin, which also covers the rounding of a, M and the
+// threshold's own sum; 1e-30 covers underflow in the products): a centroid alone within T of the smallest screen
+// is k*.  A vector whose a + M is not finite and below 1e30 (overflow, inf, NaN: cmax is NaN when a centroid is)
+// is searched in full; below it every screen is finite.
+// K <= 256, a multiple of W; U's vectors `us` floats apart; csq [K] the centroids' squared norms.
 template <int NV, class TT = float, int VC = 0>  // VC: v where known at compile time (2, 4, 8), else 0
 inline void nearest_screen(const float* U, int us, const TT* CT, const float* csq, float cmax, int K, int v_,
                            int* out) {
@@ -2634,8 +2634,8 @@ inline void nearest_screen(const float* U, int us, const TT* CT, const float* cs
     // (centroids k0 + L in lane L); r is rotated down one lane before each row's min, so row j's screen of lane L
     // ends in lane (L - (J - 1 - j)) mod W: two centroids of one lane of m1 lie in two lanes of r.  Hence if one
     // lane of m1 and one lane of r hold the smallest screen m and every other lane of both is above the threshold,
-    // exactly one screen is within it, and the two lanes give its row and lane.  (The stored screens' column, read
-    // back below by lane_single's gather, waited on the loop's stores: ~1/5 of a real layer's encode on an AMD
+    // exactly one screen is within it, and the two lanes give its row and lane.  (Storing the screens and gathering
+    // the winning lane's column back, as below, waited on the loop's stores: ~1/5 of a real layer's encode on an AMD
     // EPYC; this one writes SmolLM2's real keys and values 15-20% faster, the same codes.)
     const int J = K / W;
     vf m1[NV], r[NV];
