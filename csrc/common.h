@@ -106,6 +106,8 @@ struct DecodeArgs {
   int tiles_per_split;
   float* part;         // [R, H, S, g, 4 + 2D]
   float* out;          // [R, Hq, D] float32
+  uint16_t* out16 = nullptr;  // else: out's rows rounded into these [R, Hq, D] half values (out then scratch)
+  int out_bf16 = 1;           // out16's dtype: 1 bfloat16, 0 float16
 };
 
 struct GatherArgs {
@@ -123,8 +125,9 @@ struct EncodeArgs {
   Layout lay;
   Codec k, v;
   uint8_t* pages;
-  const uint16_t* kh;  // [N, H, D] model dtype bits
-  const uint16_t* vh;
+  const uint16_t* kh;  // [N, H, D] model dtype bits, token i's H x D values at kh + i * krow (rows may be strided:
+  const uint16_t* vh;  // a fused qkv projection's split, read in place)
+  int64_t krow, vrow;
   const int64_t* pos;  // [N]
   const int64_t* pid;  // [N]
   // [E][5] the blocks to encode: first position, page, ring page (where rows not in this call's input wait: slot

@@ -2381,6 +2381,10 @@ void decode_merge(const DecodeArgs& a, int64_t rh) {
     }
     const float inv = 1.f / (lz + lx);
     for (int c = 0; c < D; ++c) o[c] = (az[c] * vstd[c] + lz * vmean[c] + o[c]) * inv;
+    if (a.out16) {  // the model's half dtype, rounded here (Tensor.to's rounding), not by a copy after the call
+      uint16_t* o16 = a.out16 + (o - a.out);
+      for (int c = 0; c < D; ++c) o16[c] = f2h(o[c], a.out_bf16);
+    }
   }
 }
 
@@ -3122,7 +3126,7 @@ void encode_item(const EncodeArgs& a, int64_t item) {
       const uint8_t* trec = a.pages + (rpg * H + hh) * L.rec_bytes;
       for (int r = 0; r < BLOCK; ++r) {
         const int64_t pr = pos0 + r;
-        const uint16_t* row = pr >= first_in ? (kind ? a.vh : a.kh) + ((in0 + r) * H + hh) * D
+        const uint16_t* row = pr >= first_in ? (kind ? a.vh + (in0 + r) * a.vrow : a.kh + (in0 + r) * a.krow) + hh * D
                                              : region_row(trec, L, s0 + (int)(pr % L.ring), kind);
         float* x = Xh + r * D;
         for (int c = 0; c < D; c += W) vstore(x + c, vload_half(row + c, L.bf16));

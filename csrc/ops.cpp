@@ -302,9 +302,43 @@ std::vector<std::string> supported_isas() {
   return out;
 }
 
-// Fused decode attention, one query token per request.  q [R, Hq, D] f32; knew/vnew [R, H, D] f32
-// (rounded to the model dtype); seq_lens [R] int32 (incl. the new token); block_tables [R, P]
-// int32; cosT/sinT [D/2, P >= tiles * DTILE] f32 (Rope.cos_sin, transposed); out [R, Hq, D] f32.
+// A decode argument [R, X, D] as float32 rows one after the other: its data as it is, or widened / gathered into buf.
+// Rows may be strided (a query or key split from a fused qkv projection: each row's X * D values contiguous), in
+// float32, bfloat16 or float16: Python's .float().contiguous() per tensor per layer step (or ATen's in here) cost ~2
+// us each of a decode step's ~20 us of glue per layer, SmolLM2 at batch 8 - an allocation and a dispatch for ~5k
+// values.
+const float* widened(const at::Tensor& t, std::vector<float>& buf, const char* what) {
+  const auto dt = t.scalar_type();
+  TORCH_CHECK(t.device().is_cpu() && (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf), what,
+              " must be a float32, bfloat16 or float16 CPU tensor");
+  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2), what,
+              ": [R, heads, D] with each row's heads x D values contiguous");
+  const int64_t R = t.size(0), n = t.size(1) * t.size(2), rs = t.stride(0);
+  if (dt == at::kFloat && (R <= 1 || rs == n)) return t.data_ptr<float>();
+  buf.resize(R * n);
+  float* o = buf.data();
+  for (int64_t r = 0; r < R; ++r, o += n) {
+    if (dt == at::kFloat) {
+      std::memcpy(o, t.data_ptr<float>() + r * rs, n * 4);
+    } else if (dt == at::kBFloat16) {
+      const uint16_t* x = reinterpret_cast<const uint16_t*>(t.data_ptr()) + r * rs;
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t u = (uint32_t)x[i] << 16;
+        std::memcpy(o + i, &u, 4);
+      }
+    } else {
+      const c10::Half* x = t.data_ptr<c10::Half>() + r * rs;
+      for (int64_t i = 0; i < n; ++i) o[i] = static_cast<float>(x[i]);
+    }
+  }
+  return buf.data();
+}
+
+// Fused decode attention, one query token per request.  q [R, Hq, D]; knew/vnew [R, H, D] (rounded to the
+// model dtype: the model's half values, or a float32 model's rounded to the stored half); q, knew, vnew float32,
+// bfloat16 or float16 (widened here); seq_lens [R] int32 (incl. the new token); block_tables [R, P] int32;
+// cosT/sinT [D/2, P >= tiles * DTILE] f32 (Rope.cos_sin, transposed); out [R, Hq, D] float32, bfloat16 or
+// float16 (the float32 sums rounded once, into out).
 void decode_attention(const at::Tensor& pages, const at::Tensor& q, const at::Tensor& knew,
                       const at::Tensor& vnew, const at::Tensor& seq_lens, const at::Tensor& block_tables,
                       const at::Tensor& cosT, const at::Tensor& sinT, const at::Tensor& out,
@@ -318,7 +352,15 @@ void decode_attention(const at::Tensor& pages, const at::Tensor& q, const at::Te
   a.k = make_codec(kt, ki, a.lay);
   a.v = make_codec(vt, vi, a.lay);
   check_pages(pages, a.lay);
-  for (const auto* t : {&q, &knew, &vnew, &cosT, &sinT, &out}) check_f32(*t, "decode argument");
+  for (const auto* t : {&cosT, &sinT}) check_f32(*t, "decode argument");
+  thread_local std::vector<float> qbuf, kbuf, vbuf, obuf;  // (reused: this thread's calls run one at a time)
+  const float* q32 = widened(q, qbuf, "q");
+  const float* k32 = widened(knew, kbuf, "key");
+  const float* v32 = widened(vnew, vbuf, "value");
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16 ||
+                   out.scalar_type() == at::kHalf), "out must be a contiguous float32, bfloat16 or float16 CPU tensor");
+  const bool out32 = out.scalar_type() == at::kFloat;
   check_table(seq_lens, "seq_lens");
   check_table(block_tables, "block_tables");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1, "block_tables: [R, P], rows contiguous");
@@ -358,9 +400,9 @@ void decode_attention(const at::Tensor& pages, const at::Tensor& q, const at::Te
   a.Hq = (int)Hq;
   a.g = (int)(Hq / H);
   a.S = (int)S;
-  a.q = q.data_ptr<float>();
-  a.knew = knew.data_ptr<float>();
-  a.vnew = vnew.data_ptr<float>();
+  a.q = q32;
+  a.knew = k32;
+  a.vnew = v32;
   a.seq_lens = sl;
   a.bt = block_tables.data_ptr<int32_t>();
   a.bt_stride = block_tables.stride(0);
@@ -401,9 +443,14 @@ void decode_attention(const at::Tensor& pages, const at::Tensor& q, const at::Te
     a.rcs = rcs.data();
   }
   a.tiles_per_split = (int)std::min<int64_t>(tps, max_tiles);
-  at::Tensor part = at::empty({R * H * S * a.g * (4 + 2 * D)}, q.options());
+  at::Tensor part = at::empty({R * H * S * a.g * (4 + 2 * D)}, out.options().dtype(at::kFloat));
   a.part = part.data_ptr<float>();
-  a.out = out.data_ptr<float>();
+  if (!out32) {
+    obuf.resize(out.numel());
+    a.out16 = reinterpret_cast<uint16_t*>(out.data_ptr());
+    a.out_bf16 = out.scalar_type() == at::kBFloat16;
+  }
+  a.out = out32 ? out.data_ptr<float>() : obuf.data();
   const Kernels* kern = g_kernels;
   if (a.k.method == TADA || a.v.method == TADA) {
     // TaDA's items in (request, split, KV head) order: a split's KV heads one after the other, so the head mean
@@ -574,9 +621,10 @@ void check_rows(const at::Tensor& kh, const at::Tensor& vh, const at::Tensor& co
                 const Layout& L, int64_t max_pos) {
   const int64_t N = kh.size(0), H = L.H, D = L.D;
   const auto dt = L.bf16 ? at::kBFloat16 : at::kHalf;
-  TORCH_CHECK(kh.scalar_type() == dt && vh.scalar_type() == dt && kh.is_contiguous() && vh.is_contiguous() &&
-                  kh.sizes() == at::IntArrayRef({N, H, D}) && vh.sizes() == kh.sizes(),
-              "key/value: contiguous [N, H, D] in the cache's half dtype");
+  TORCH_CHECK(kh.scalar_type() == dt && vh.scalar_type() == dt && kh.sizes() == at::IntArrayRef({N, H, D}) &&
+                  vh.sizes() == kh.sizes() && kh.stride(2) == 1 && kh.stride(1) == D && vh.stride(2) == 1 &&
+                  vh.stride(1) == D,
+              "key/value: [N, H, D] in the cache's half dtype, each token's H x D values contiguous");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
   TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D / 2 && cos.size(0) > max_pos && sin.sizes() == cos.sizes(),
@@ -588,8 +636,8 @@ void put_row(const EncodeArgs& a, int64_t i, int64_t page, int64_t slot) {
   const int64_t H = a.lay.H, D = a.lay.D;
   for (int64_t h = 0; h < H; ++h) {
     uint16_t* reg = reinterpret_cast<uint16_t*>(a.pages + (page * H + h) * a.lay.rec_bytes) + slot * 2 * D;
-    std::memcpy(reg, a.kh + (i * H + h) * D, D * 2);
-    std::memcpy(reg + D, a.vh + (i * H + h) * D, D * 2);
+    std::memcpy(reg, a.kh + i * a.krow + h * D, D * 2);
+    std::memcpy(reg + D, a.vh + i * a.vrow + h * D, D * 2);
   }
 }
 
@@ -600,6 +648,8 @@ void encode_blocks(EncodeArgs& a, const at::Tensor& pages, const at::Tensor& kh,
   a.pages = pages.data_ptr<uint8_t>();
   a.kh = reinterpret_cast<const uint16_t*>(kh.data_ptr());
   a.vh = reinterpret_cast<const uint16_t*>(vh.data_ptr());
+  a.krow = kh.stride(0);  // (check_rows: each token's H x D values contiguous)
+  a.vrow = vh.stride(0);
   a.blocks = blocks.data();
   a.cos = cos.data_ptr<float>();
   a.sin = sin.data_ptr<float>();
@@ -900,7 +950,11 @@ std::vector<at::Tensor> write_gather(const at::Tensor& pages, const at::Tensor& 
   const int64_t N = kh.size(0);
   const bool small = sink_page >= 0;
   const auto opt = positions.options().dtype(at::kLong);
-  write_kv(pages, kh.contiguous(), vh.contiguous(), positions.to(at::kLong).contiguous(),
+  // (K/V as they are where each token's values are contiguous: a strided split of the QKV projection is read in place)
+  const auto rows = [](const at::Tensor& t) {
+    return t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
+  };
+  write_kv(pages, rows(kh), rows(vh), positions.to(at::kLong).contiguous(),
            page_ids.to(at::kLong).contiguous(), cos, sin, s2, kt, ki, vt, vi, li,
            small ? at::full({N}, sink_page, opt) : at::empty({0}, opt),
            small ? at::full({N}, ring_page, opt) : at::empty({0}, opt));

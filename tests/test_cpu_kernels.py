@@ -295,6 +295,32 @@ def test_decode_long_context_gqa_and_isas(H, GQ, D, fmt, outliers, exact, isa, b
             _check_f32_vs_f64(lc, pages, q, key, val, sl, tables, D ** -0.5, split_tiles=split_tiles, exact=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_and_write_read_a_qkv_split_in_place(dtype):
+    """vLLM hands a layer its query, key and value as views of one QKV projection (each token's row strided): the
+    decode kernel and the cache write read them in place and the kernel rounds its float32 sums into an out of the
+    model dtype itself - bit for bit what contiguous copies, a float32 out and Tensor.to give."""
+    H, GQ, D, lens = 2, 3, 64, [17, 75, 40, 129]
+    case = ("temporalkv-2bit", D, True, dtype, 1)
+    lc, pages, tables, q, key, val = _decode_setup(case, lens, H=H, GQ=GQ, seed=7)
+    R = len(lens)
+    qkv = torch.cat([q.reshape(R, -1), key.reshape(R, -1), val.reshape(R, -1)], 1)  # [R, (Hq + 2H) * D]
+    qv, kv_, vv = (x.view(R, -1, D) for x in qkv.split([H * GQ * D, H * D, H * D], 1))
+    assert not qv.is_contiguous() and not kv_.is_contiguous()
+    sl = torch.tensor(lens)
+    for exact in (False, True):
+        want = cpu.decode_attention(lc, pages, q.contiguous(), key.contiguous(), val.contiguous(), sl, tables,
+                                    D ** -0.5, out=torch.empty(R, H * GQ, D), exact=exact).to(dtype)
+        got = cpu.decode_attention(lc, pages, qv, kv_, vv, sl, tables, D ** -0.5, exact=exact)
+        assert got.dtype == dtype and torch.equal(got, want), exact
+    pos = sl - 1  # the decode step's write: request 2's token 39 completes its block 32..39 (encoded from the view)
+    pid = tables[torch.arange(R), pos // lc.block_size]
+    ref = pages.clone()
+    cpu.write_kv(lc, ref, key.contiguous(), val.contiguous(), pos, pid)
+    cpu.write_kv(lc, pages, kv_, vv, pos, pid)
+    assert torch.equal(pages, ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_is_batch_invariant(dtype):
     """A request's output is bit for bit the same alone and batched with longer and shorter requests (split-K

@@ -351,7 +351,8 @@ def num_splits(max_tiles: int, split_tiles: int = SPLIT_TILES) -> int:
     return max(1, -(-max_tiles // split_tiles))
 
 
-@torch.no_grad()
+# (decode_attention and write_kv without torch.no_grad: their outputs are written by C++, nothing autograd could
+# record but a few conversions, and one more grad-mode switch per call cost ~1 us of each layer's decode step)
 def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                      out: torch.Tensor | None = None, *, split_tiles: int = SPLIT_TILES,
@@ -388,17 +389,31 @@ def decode_attention(lc, pages: torch.Tensor, query: torch.Tensor, key: torch.Te
     cosT, sinT, tcos, tsin, dcos, dsin = rope_tables(lc.rope, max_len + DECODE_TILE)[2:]
     if exact is None:
         exact = EXACT
-    q32 = query.float().contiguous()
-    kn = lc.exact(key).float().contiguous()
-    vn = lc.exact(value).float().contiguous()
-    o32 = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(R, Hq, D)
+    # the new K/V as the cache holds them (``lc.exact``'s values: the stored half, which the kernel widens), the
+    # query and out as they are: the kernel converts them, and reads rows strided as a fused qkv projection's split
+    # leaves them (each .float().contiguous() here cost ~2 us of a step's glue per layer)
+    query, kh, vh = _rows(query), _rows(_stored(lc, key)), _rows(_stored(lc, value))
+    o = out if out.is_contiguous() else torch.empty(R, Hq, D, dtype=out.dtype)
     kt, ki, vt, vi, li = _args(lc, H)
     xp = _NONE32 if small is None else exact_table32 if exact_table32 is not None else _i32(small.table[:, :2])
-    _C.decode_attention(pages, q32, kn, vn, sl, bt, cosT, sinT, o32, kt, ki, vt, vi, li, float(scale),
+    _C.decode_attention(pages, query, kh, vh, sl, bt, cosT, sinT, o, kt, ki, vt, vi, li, float(scale),
                         int(split_tiles), bool(exact), tcos, tsin, dcos, dsin, 1.0 / float(lc.rope.scale), xp)
-    if o32 is not out:
-        out.copy_(o32)
+    if o is not out:
+        out.copy_(o)
     return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D] with each token's values contiguous (the tokens' rows may be strided: a split of vLLM's QKV
+    projection, read in place), as the decode kernel and the cache writes read it."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+def _stored(lc, x: torch.Tensor) -> torch.Tensor:
+    """New keys / values as the cache stores their exact values (``lc.store_dtype``): ``lc.exact(x)`` widened is
+    this widened, whatever x's dtype (the model's half dtype is the store's; a float32 model stores bfloat16)."""
+    store = lc.store_dtype
+    return x if x.dtype == store else x.to(store)
 
 
 @torch.no_grad()
@@ -414,7 +429,6 @@ def gather_kv(lc, pages: torch.Tensor, block_table: torch.Tensor, n: int, exact=
     return tuple(_C.gather(pages, _i32(block_table), int(n), cos, sin, *_args(lc, H), sink, ring))
 
 
-@torch.no_grad()
 def write_kv(lc, pages: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
              page_ids: torch.Tensor, exact=None, max_pos: int | None = None) -> None:
     """Twin of ``paged_torch.write_kv`` (same arguments, bit-identical pages; ``max_pos``: the largest position,
@@ -428,9 +442,7 @@ def write_kv(lc, pages: torch.Tensor, key: torch.Tensor, value: torch.Tensor, po
     sinks, rings = (_NONE64, _NONE64) if exact is None else (_i64(exact[1]), _i64(exact[2]))
     pos, pid = _i64(positions), _i64(page_ids)
     cos, sin = rope_tables(lc.rope, (int(pos.max()) if max_pos is None else max_pos) + 1)[:2]
-    store = lc.store_dtype
-    kh = (key if key.dtype == store else key.to(store)).contiguous()
-    vh = (value if value.dtype == store else value.to(store)).contiguous()
+    kh, vh = _rows(_stored(lc, key)), _rows(_stored(lc, value))
     _C.write_kv(pages, kh, vh, pos, pid, cos, sin, float(lc.rope.scale) ** 2, *_args(lc, key.shape[1]), sinks, rings)
 
 
@@ -445,7 +457,7 @@ def write_kv_window(lc, pages: torch.Tensor, key: torch.Tensor, value: torch.Ten
         return paged_torch.write_kv_window(lc, pages, key, value, query_start_loc, seq_lens, block_tables)
     lens = seq_lens.to(torch.int64).contiguous()
     cos, sin = rope_tables(lc.rope, int(lens.max()))[:2]
-    _C.write_kv_window(pages, key.to(lc.store_dtype).contiguous(), value.to(lc.store_dtype).contiguous(),
+    _C.write_kv_window(pages, _rows(_stored(lc, key)), _rows(_stored(lc, value)),
                        query_start_loc.to(torch.int64).contiguous(), lens, _i32(block_tables), cos, sin,
                        float(lc.rope.scale) ** 2, *_args(lc, key.shape[1]))
 
