@@ -167,6 +167,11 @@ struct PrefillArgs {
   const uint16_t* q16 = nullptr;
   const uint16_t* kdT16 = nullptr;
   const uint16_t* kxT16 = nullptr;
+  // and bf16 values (with q16, where V holds bf16 values): each token pair's values channel by channel, [H, n / 2,
+  // D, 2] (positions 2j and 2j + 1 of the array), summed with the weights rounded to bf16 as VDPBF16PS products;
+  // vd, vx unused
+  const uint16_t* vd16 = nullptr;
+  const uint16_t* vx16 = nullptr;
 };
 
 // Each query's 8 positions p - window - 7 .. p - window (decoded before exact_start(p, window), exact from it)

@@ -832,7 +832,8 @@ void check_rows(const at::Tensor& t, const char* what) {
 // rows contiguous, other strides free: the arrays are padded to whole tiles, tiled (keys tile-major) and converted
 // here in one parallel pass - in torch that glue was ~a dozen ops, over half of a short chunk's layer step
 // (benchmarks/prefix: a prefix-cache hit's 40-token chunk).  b16 (bf16_dot()): the scores from the bf16 values
-// (PrefillArgs), the rest float32 as without.
+// and, where the values are bf16 too, their weighted sums with the weights rounded to bf16 (PrefillArgs); the rest
+// float32 as without.
 void prefill_attention(const at::Tensor& q, const at::Tensor& kd, const at::Tensor& vd, const at::Tensor& kx,
                        const at::Tensor& vx, int64_t x0, int64_t offset, double scale, at::Tensor& out, bool b16,
                        int64_t window) {
@@ -858,10 +859,13 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kd, const at::Tens
   const int64_t xt = x0 / TILE * TILE;                      // exact keys from the tile x0 is in (zero before x0)
   const int64_t nx = (offset + Tq + TILE - 1) / TILE * TILE - xt;
   at::Tensor kbuf = at::empty({H * (nd + nx) * D}, q.options().dtype(b16 ? at::kBFloat16 : at::kFloat));
-  at::Tensor vbuf = at::empty({H * (nd + nx) * D}, q.options().dtype(at::kFloat));
+  // bf16 values too (their weighted sums as bf16 dot products, PrefillArgs::vd16): where they hold bf16 values
+  const bool v16 = b16 && vd.scalar_type() == at::kBFloat16 && vx.scalar_type() == at::kBFloat16;
+  at::Tensor vbuf = at::empty({H * (nd + nx) * D}, q.options().dtype(v16 ? at::kBFloat16 : at::kFloat));
   float* kf = b16 ? nullptr : kbuf.data_ptr<float>();
   uint16_t* k16 = b16 ? reinterpret_cast<uint16_t*>(kbuf.data_ptr<at::BFloat16>()) : nullptr;
-  float* vf_ = vbuf.data_ptr<float>();
+  float* vf_ = v16 ? nullptr : vbuf.data_ptr<float>();
+  uint16_t* vp16 = v16 ? reinterpret_cast<uint16_t*>(vbuf.data_ptr<at::BFloat16>()) : nullptr;
   const SrcRows KD(kd), VD(vd), KX(kx), VX(vx);
   const int64_t td = nd / TILE, tiles = (nd + nx) / TILE;
   parallel_items(H * tiles, [&](int64_t item) {  // one tile of one KV head: keys tile-major, values row-major
@@ -875,9 +879,14 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kd, const at::Tens
     for (int64_t t = 0; t < TILE; ++t) {
       const int64_t r = t0 + t;  // row in the padded array: position r (decoded) or xt + r (exact)
       const int64_t src = dec ? r : xt + r - x0;
-      float* vrow = vf_ + base + r * D;
+      float* vrow = v16 ? nullptr : vf_ + base + r * D;
+      uint16_t* vp = v16 ? vp16 + base + (r / 2) * 2 * D + (r & 1) : nullptr;  // bf16 values: [n / 2][D][2]
       if (!(dec ? src < KD.n : (src >= 0 && src < KX.n))) {  // padding: zero keys and values
-        std::memset(vrow, 0, sizeof(float) * D);
+        if (v16) {
+          for (int64_t c = 0; c < D; ++c) vp[2 * c] = 0;
+        } else {
+          std::memset(vrow, 0, sizeof(float) * D);
+        }
         if (b16) {
           for (int64_t c2 = 0; c2 < D / 2; ++c2) std::memset(k16 + kt + (c2 * TILE + t) * 2, 0, 4);
         } else {
@@ -885,7 +894,12 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kd, const at::Tens
         }
         continue;
       }
-      V.row(src, h, (int)D, vrow);
+      if (v16) {  // a token pair's values channel by channel (bf16 bits as they are)
+        const uint16_t* u = reinterpret_cast<const uint16_t*>(V.p + src * V.st + h * V.sh);
+        for (int64_t c = 0; c < D; ++c) vp[2 * c] = u[c];
+      } else {
+        V.row(src, h, (int)D, vrow);
+      }
       if (b16 && K.dt == at::kBFloat16) {  // a bf16 key's channel pairs moved as they are
         const char* kr16 = K.p + src * K.st + h * K.sh;
         for (int64_t c2 = 0; c2 < D / 2; ++c2) std::memcpy(k16 + kt + (c2 * TILE + t) * 2, kr16 + c2 * 4, 4);
@@ -913,9 +927,13 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kd, const at::Tens
   a.window = (int)window;
   a.scale = (float)scale;
   a.q = qf.data_ptr<float>();
-  a.vd = vf_;
+  a.vd = v16 ? nullptr : vf_;
   a.nd = nd;
-  a.vx = vf_ + H * nd * D;
+  a.vx = v16 ? nullptr : vf_ + H * nd * D;
+  if (v16) {
+    a.vd16 = vp16;
+    a.vx16 = vp16 + H * nd * D;
+  }
   a.x0 = xt;
   a.nx = nx;
   a.out = o32.data_ptr<float>();

@@ -87,6 +87,57 @@ inline void pf_values(float* acc, int D, const float* w, int t_lo, int t_hi, con
   }
 }
 
+#if TKV_W == 16
+// pf_values from bf16: acc[k][c] += sum over token pairs (w[k][t] V_t[c] + w[k][t+1] V_t+1[c]) for PF_RB rows, the
+// NV x 16 channels from c0 and the pairs [p_lo, p_hi) of the tile at t0, one VDPBF16PS per 16 channels and pair
+// (exact products of the bf16 weights and values, float32 sums) - half pf_values's FMAs, which bounded the kernel
+// (~half of a 4096-token chunk's prefill_item on a 2-core AMD EPYC).  wp: each row's weights as bf16 pairs
+// [PF_RB][TILE / 2]; vd / vx: the KV head's values as token pairs (PrefillArgs::vd16, vx16; x0: the exact array's
+// first position).  A row reads a position x decoded where x < E[k] (its own block's start, x0 <= it) or x < x0,
+// else exact - both even (whole blocks, whole tiles), so a pair's two tokens come from one source.  every_decoded:
+// no row reads an exact key in this tile.  NV a template argument: with a runtime count the accumulators spilled
+// (2.2x slower).  Not inlined into its caller (compiled without AVX512_BF16).
+static_assert(BLOCK % 2 == 0 && TILE % 2 == 0, "a token pair never straddles the decoded / exact boundary");
+template <int NV>
+__attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"))) void pf_values_bf16(
+    float* acc, int D, int c0, const uint32_t* wp, int p_lo, int p_hi, int64_t t0, const uint16_t* vd,
+    const uint16_t* vx, int64_t x0, const int64_t* E, bool every_decoded) {
+  __m512 a[PF_RB][NV];
+  for (int k = 0; k < PF_RB; ++k)
+    for (int v = 0; v < NV; ++v) a[k][v] = _mm512_loadu_ps(acc + k * MAX_D + c0 + v * W);
+  for (int p = p_lo; p < p_hi; ++p) {
+    const int64_t x = t0 + 2 * p;  // the pair's first position
+    const uint16_t* pd = vd + (x / 2) * 2 * D + 2 * c0;
+    if (every_decoded) {
+      __m512i vv[NV];
+      for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_si512(pd + v * 2 * W);
+      for (int k = 0; k < PF_RB; ++k) {
+        const __m512i wb = _mm512_set1_epi32((int)wp[k * (TILE / 2) + p]);  // 0 for masked keys: exact zeros
+        for (int v = 0; v < NV; ++v) a[k][v] = _mm512_dpbf16_ps(a[k][v], (__m512bh)wb, (__m512bh)vv[v]);
+      }
+      continue;
+    }
+    for (int k = 0; k < PF_RB; ++k) {
+      const __m512i wb = _mm512_set1_epi32((int)wp[k * (TILE / 2) + p]);
+      // (x < x0: decoded whatever E says - a padding row's E is 0, its weights 0: any row in bounds)
+      const uint16_t* px = x < E[k] || x < x0 ? pd : vx + ((x - x0) / 2) * 2 * D + 2 * c0;
+      for (int v = 0; v < NV; ++v)
+        a[k][v] = _mm512_dpbf16_ps(a[k][v], (__m512bh)wb, (__m512bh)_mm512_loadu_si512(px + v * 2 * W));
+    }
+  }
+  for (int k = 0; k < PF_RB; ++k)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + k * MAX_D + c0 + v * W, a[k][v]);
+}
+
+// a tile's weights w [PF_RB][TILE] as bf16 pairs wp [PF_RB][TILE / 2] (round to nearest even, as Tensor.to)
+__attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"))) void pf_weights_bf16(const float* w, uint32_t* wp) {
+  static_assert(TILE == 2 * W, "a tile's weights: two vectors");
+  for (int k = 0; k < PF_RB; ++k)
+    _mm512_storeu_si512(wp + k * (TILE / 2), (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(w + k * TILE + W),
+                                                                          _mm512_loadu_ps(w + k * TILE)));
+}
+#endif
+
 template <int DT>
 void prefill_item_t(const PrefillArgs& a, int64_t item) {
   const int D = DT ? DT : a.D;
@@ -200,6 +251,20 @@ void prefill_item_t(const PrefillArgs& a, int64_t item) {
       }
       if (t_hi == 0) continue;
       float* ab = acc + k0 * MAX_D;
+#if TKV_W == 16
+      if (a.vd16) {  // bf16 values: the weights rounded to bf16, summed in token pairs (t_lo: 0, even)
+        alignas(64) uint32_t wp[PF_RB * (TILE / 2)];
+        pf_weights_bf16(w, wp);
+        const uint16_t *vd16 = a.vd16 + (int64_t)h * a.nd * D, *vx16 = a.vx16 + (int64_t)h * a.nx * D;
+        for (int c0 = 0; c0 < D; c0 += 4 * W) {  // (D: a multiple of 32)
+          if (D - c0 >= 4 * W)
+            pf_values_bf16<4>(ab, D, c0, wp, t_lo / 2, (t_hi + 1) / 2, t0, vd16, vx16, a.x0, E, t0 + TILE <= le);
+          else
+            pf_values_bf16<2>(ab, D, c0, wp, t_lo / 2, (t_hi + 1) / 2, t0, vd16, vx16, a.x0, E, t0 + TILE <= le);
+        }
+        continue;
+      }
+#endif
       if (t0 + TILE <= le) {  // every row's keys here decoded: one value row for all
         pf_values(ab, D, w, t_lo, t_hi, [&](int, int t) { return vd + (t0 + t) * D; });
       } else {

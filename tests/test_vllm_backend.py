@@ -116,7 +116,11 @@ def test_attention_outputs_match_dense_attention_over_decoded_blocks(recorded):
         want, exact = attend(kd, vd), attend(t["k"], t["v"])
         got = t["o"].double()
         err = (got - want).abs().max()
-        torch.testing.assert_close(got, want, rtol=1e-2, atol=2e-3, msg=lambda m: f"layer {i}: {m}")
+        # bf16 serving rounds the softmax weights to bf16 for the value sums where the CPU has bf16 units (AVX512_BF16
+        # dot products, AMX tiles), as bf16 flash kernels do: an output moves by up to 2^-9 of the largest value
+        vmax = max(t["v"].float().abs().max().item(), vd.float().abs().max().item())
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=2e-3 + 2.0 ** -9 * vmax,
+                                   msg=lambda m: f"layer {i}: {m}")
         # the tolerance is far below what compression changes (the test could see a wrong decode)
         assert (exact - want).abs().max() > 10 * err, f"layer {i}"
 

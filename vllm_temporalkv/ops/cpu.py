@@ -37,7 +37,8 @@ here falls back to the torch path.  ``VLLM_TEMPORALKV_CPU_ISA=avx512|avx2|scalar
 variant (default: the best the CPU has); ``VLLM_TEMPORALKV_CPU_JIT=1`` compiles csrc/ with
 ``torch.utils.cpp_extension.load`` when the built extension is missing (a checkout only);
 ``VLLM_TEMPORALKV_CPU_EXACT=1`` makes the decode kernel's slower, bit-matched variant the default.
-``VLLM_TEMPORALKV_CPU_BF16_DOT=0`` keeps a bf16 model's prefill scores in float32 FMAs on an AVX512_BF16 CPU.
+``VLLM_TEMPORALKV_CPU_BF16_DOT=0`` keeps a bf16 model's prefill scores and value sums in float32 FMAs on an
+AVX512_BF16 CPU.
 ``VLLM_TEMPORALKV_CPU_PREFILL=flash|kernel|auto`` picks a served prefill chunk's attention: torch's flash kernel
 (``cpu_flash``: bf16 GEMMs on AMX tiles, bf16-rounded) or the C++ kernel (chunk-invariant); auto (default): flash
 for a bf16 model on a CPU with AMX unless VLLM_TEMPORALKV_CPU_EXACT=1 (``use_flash_prefill``).
@@ -753,7 +754,8 @@ def _cpu_class() -> str:
     return _CLASS[1]
 
 
-# bf16 prefill scores where the CPU has AVX512_BF16 and the model is bf16 (VLLM_TEMPORALKV_CPU_BF16_DOT=0: off)
+# bf16 prefill scores and value sums where the CPU has AVX512_BF16 and the model is bf16
+# (VLLM_TEMPORALKV_CPU_BF16_DOT=0: off)
 BF16_DOT = os.environ.get("VLLM_TEMPORALKV_CPU_BF16_DOT", "1") != "0"
 
 
@@ -780,8 +782,10 @@ def prefill_attention(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, kx: t
 
     bf16 (default: ``BF16_DOT`` where q and the keys are bfloat16 and ``_C.bf16_dot()``): the scores as AVX512_BF16
     dot products of the bf16 values (exact products, float32 sums in another order: agrees with the float32 scores
-    to float32 rounding; ~2x fewer instructions), the rest as without.  window: a recent window - each query reads
-    exactly from ``window`` tokens before its own block (``_own_block(p, window)``) instead."""
+    to float32 rounding; ~2x fewer instructions) and, where the values are bfloat16 too, the value sums likewise with
+    the softmax weights rounded to bf16 (as bf16 flash kernels round them; an output moves by at most 2^-9 of the
+    largest value it averages: below its own bf16 rounding), the rest as without.  window: a recent window - each
+    query reads exactly from ``window`` tokens before its own block (``_own_block(p, window)``) instead."""
     if out is None:
         out = torch.empty_like(q)
     if q.shape[0] == 0:
