@@ -302,35 +302,51 @@ std::vector<std::string> supported_isas() {
   return out;
 }
 
-// A decode argument [R, X, D] as float32 rows one after the other: its data as it is, or widened / gathered into buf.
-// Rows may be strided (a query or key split from a fused qkv projection: each row's X * D values contiguous), in
-// float32, bfloat16 or float16: Python's .float().contiguous() per tensor per layer step (or ATen's in here) cost ~2
-// us each of a decode step's ~20 us of glue per layer, SmolLM2 at batch 8 - an allocation and a dispatch for ~5k
-// values.
+// Whether each token's heads x D values of t [N, heads, D] lie one after the other (the tokens' rows may be strided:
+// a split of vLLM's QKV projection, read in place)
+bool token_rows(const at::Tensor& t) { return t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2); }
+
+// Rows of a [n, H, D] CPU tensor - float32, bfloat16 or float16, each row's D values contiguous, other strides free
+// (the slices and gathers the backend holds) - read as float32.
+struct SrcRows {
+  const char* p;
+  int64_t st, sh, n;  // strides in bytes; rows
+  at::ScalarType dt;
+  explicit SrcRows(const at::Tensor& t)
+      : p(static_cast<const char*>(t.data_ptr())), st(t.stride(0) * (int64_t)t.element_size()),
+        sh(t.stride(1) * (int64_t)t.element_size()), n(t.size(0)), dt(t.scalar_type()) {}
+  void row(int64_t i, int64_t h, int D, float* dst) const {
+    const char* r = p + i * st + h * sh;
+    if (dt == at::kFloat) {
+      std::memcpy(dst, r, sizeof(float) * D);
+    } else if (dt == at::kBFloat16) {
+      const uint16_t* u = reinterpret_cast<const uint16_t*>(r);
+      for (int c = 0; c < D; ++c) {
+        const uint32_t b = (uint32_t)u[c] << 16;
+        std::memcpy(dst + c, &b, sizeof(float));
+      }
+    } else {
+      const at::Half* u = reinterpret_cast<const at::Half*>(r);
+      for (int c = 0; c < D; ++c) dst[c] = static_cast<float>(u[c]);
+    }
+  }
+};
+
+// A decode argument [R, X, D] as float32 rows one after the other: its data as it is, or widened / gathered into buf
+// (token_rows; float32, bfloat16 or float16): Python's .float().contiguous() per tensor per layer step (or ATen's in
+// here) cost ~2 us each of a decode step's ~20 us of glue per layer, SmolLM2 at batch 8 - an allocation and a
+// dispatch for ~5k values.
 const float* widened(const at::Tensor& t, std::vector<float>& buf, const char* what) {
   const auto dt = t.scalar_type();
   TORCH_CHECK(t.device().is_cpu() && (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf), what,
               " must be a float32, bfloat16 or float16 CPU tensor");
-  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2), what,
-              ": [R, heads, D] with each row's heads x D values contiguous");
-  const int64_t R = t.size(0), n = t.size(1) * t.size(2), rs = t.stride(0);
-  if (dt == at::kFloat && (R <= 1 || rs == n)) return t.data_ptr<float>();
-  buf.resize(R * n);
-  float* o = buf.data();
-  for (int64_t r = 0; r < R; ++r, o += n) {
-    if (dt == at::kFloat) {
-      std::memcpy(o, t.data_ptr<float>() + r * rs, n * 4);
-    } else if (dt == at::kBFloat16) {
-      const uint16_t* x = reinterpret_cast<const uint16_t*>(t.data_ptr()) + r * rs;
-      for (int64_t i = 0; i < n; ++i) {
-        const uint32_t u = (uint32_t)x[i] << 16;
-        std::memcpy(o + i, &u, 4);
-      }
-    } else {
-      const c10::Half* x = t.data_ptr<c10::Half>() + r * rs;
-      for (int64_t i = 0; i < n; ++i) o[i] = static_cast<float>(x[i]);
-    }
-  }
+  TORCH_CHECK(token_rows(t), what, ": [R, heads, D] with each row's heads x D values contiguous");
+  const int64_t R = t.size(0), X = t.size(1), D = t.size(2);
+  if (dt == at::kFloat && (R <= 1 || t.stride(0) == X * D)) return t.data_ptr<float>();
+  buf.resize(R * X * D);
+  const SrcRows rows(t);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < X; ++h) rows.row(r, h, (int)D, buf.data() + (r * X + h) * D);
   return buf.data();
 }
 
@@ -622,8 +638,7 @@ void check_rows(const at::Tensor& kh, const at::Tensor& vh, const at::Tensor& co
   const int64_t N = kh.size(0), H = L.H, D = L.D;
   const auto dt = L.bf16 ? at::kBFloat16 : at::kHalf;
   TORCH_CHECK(kh.scalar_type() == dt && vh.scalar_type() == dt && kh.sizes() == at::IntArrayRef({N, H, D}) &&
-                  vh.sizes() == kh.sizes() && kh.stride(2) == 1 && kh.stride(1) == D && vh.stride(2) == 1 &&
-                  vh.stride(1) == D,
+                  vh.sizes() == kh.sizes() && token_rows(kh) && token_rows(vh),
               "key/value: [N, H, D] in the cache's half dtype, each token's H x D values contiguous");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
@@ -793,32 +808,6 @@ bool bf16_dot() {
 #endif
 }
 
-// Rows of a [n, H, D] CPU tensor - float32, bfloat16 or float16, each row's D values contiguous, other strides free
-// (the slices and gathers the backend holds) - read as float32.
-struct SrcRows {
-  const char* p;
-  int64_t st, sh, n;  // strides in bytes; rows
-  at::ScalarType dt;
-  explicit SrcRows(const at::Tensor& t)
-      : p(static_cast<const char*>(t.data_ptr())), st(t.stride(0) * (int64_t)t.element_size()),
-        sh(t.stride(1) * (int64_t)t.element_size()), n(t.size(0)), dt(t.scalar_type()) {}
-  void row(int64_t i, int64_t h, int D, float* dst) const {
-    const char* r = p + i * st + h * sh;
-    if (dt == at::kFloat) {
-      std::memcpy(dst, r, sizeof(float) * D);
-    } else if (dt == at::kBFloat16) {
-      const uint16_t* u = reinterpret_cast<const uint16_t*>(r);
-      for (int c = 0; c < D; ++c) {
-        const uint32_t b = (uint32_t)u[c] << 16;
-        std::memcpy(dst + c, &b, sizeof(float));
-      }
-    } else {
-      const at::Half* u = reinterpret_cast<const at::Half*>(r);
-      for (int c = 0; c < D; ++c) dst[c] = static_cast<float>(u[c]);
-    }
-  }
-};
-
 void check_rows(const at::Tensor& t, const char* what) {
   const auto dt = t.scalar_type();
   TORCH_CHECK(t.device().is_cpu() && (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) &&
@@ -969,11 +958,8 @@ std::vector<at::Tensor> write_gather(const at::Tensor& pages, const at::Tensor& 
   const bool small = sink_page >= 0;
   const auto opt = positions.options().dtype(at::kLong);
   // (K/V as they are where each token's values are contiguous: a strided split of the QKV projection is read in place)
-  const auto rows = [](const at::Tensor& t) {
-    return t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
-  };
-  write_kv(pages, rows(kh), rows(vh), positions.to(at::kLong).contiguous(),
-           page_ids.to(at::kLong).contiguous(), cos, sin, s2, kt, ki, vt, vi, li,
+  write_kv(pages, token_rows(kh) ? kh : kh.contiguous(), token_rows(vh) ? vh : vh.contiguous(),
+           positions.to(at::kLong).contiguous(), page_ids.to(at::kLong).contiguous(), cos, sin, s2, kt, ki, vt, vi, li,
            small ? at::full({N}, sink_page, opt) : at::empty({0}, opt),
            small ? at::full({N}, ring_page, opt) : at::empty({0}, opt));
   return gather(pages, block_table, m, cos, sin, kt, ki, vt, vi, li, sink_page, ring_page);
