@@ -103,6 +103,28 @@ def pareto_table(h: dict) -> list[str]:
     return out
 
 
+def served_ppl_table(h: dict) -> list[str]:
+    """served_ppl.<data>[.<model>].<format>.<metric> (benchmarks.served_ppl): one table per data and model."""
+    rows: dict[tuple[str, str], dict[str, dict[str, float]]] = {}
+    for k, v in h.items():
+        m = re.fullmatch(r"served_ppl\.([^.]+)\.(?:(.+?)(?<!-o\d)\.)?" + FORMAT + r"\.(ppl|ratio_vs_auto|reference_ppl)", k)
+        if m:
+            rows.setdefault((m.group(1), m.group(2) or ""), {}).setdefault(m.group(3), {})[m.group(4)] = v
+    out = []
+    for (data, model), r in sorted(rows.items()):
+        stem = "served-ppl" + (f"-{model}" if model else "")
+        out += [f"**Perplexity through the server, {data}{', ' + model if model else ''}** (each format's own prompt "
+                f"logprobs over HTTP; reference: the same windows under the causal protocol in float32 transformers, "
+                f"the same artifact; paired intervals and the command in "
+                f"[benchmarks/results/{stem}.md](benchmarks/results/{stem}.md))", "",
+                "| --kv-cache-dtype | served ppl | ÷ auto | reference ppl |", "|---|---|---|---|"]
+        for f, x in sorted(r.items(), key=lambda kv: (kv[0] != "auto", kv[0] != "fp8", kv[0])):
+            out.append(f"| {f} | {_fmt(x.get('ppl'))} | {_fmt(x.get('ratio_vs_auto'), 3)} | "
+                       f"{_fmt(x.get('reference_ppl'))} |")
+        out.append("")
+    return out
+
+
 def capacity_table(h: dict) -> list[str]:
     rows: dict[str, dict[str, float]] = {}
     for k, v in h.items():
@@ -263,6 +285,7 @@ def generic_table(h: dict, bench: str, title: str, skip: str | None = None) -> l
 def render(h: dict) -> str:
     lines = quality_table(h)
     lines += pareto_table(h)
+    lines += served_ppl_table(h)
     lines += capacity_table(h)
     lines += fisher_table(h)
     lines += retrieval_table(h)

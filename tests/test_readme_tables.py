@@ -126,3 +126,19 @@ def test_causal_protocol_tables():
     assert "benchmarks/results/quality-qwen2.5-1.5b-causal.md" in causal[0]
     assert "benchmarks/results/quality-qwen2.5-1.5b-causal_pareto.png" in causal[1]
     assert any(ln.startswith("**Perplexity, brown** (simulated compression, thesis protocol;") for ln in lines)
+
+
+def test_served_ppl_table():
+    """Perplexity through the server (benchmarks.served_ppl): a row per format, auto and fp8 first, its ratio to auto
+    and its reference; another model's figures in a table of their own."""
+    h = {"served_ppl.brown.auto.ppl": 32.5, "served_ppl.brown.auto.ratio_vs_auto": 1.0,
+         "served_ppl.brown.auto.reference_ppl": 32.4, "served_ppl.brown.fp8.ppl": 33.0,
+         "served_ppl.brown.fp8.ratio_vs_auto": 1.015, "served_ppl.brown.temporalkv-2bit.ppl": 39.9,
+         "served_ppl.brown.temporalkv-2bit.ratio_vs_auto": 1.228, "served_ppl.brown.temporalkv-2bit.reference_ppl": 40.1,
+         "served_ppl.brown.qwen2.5-1.5b.auto.ppl": 21.5}
+    lines = bench_call(RENDER, json.dumps(h)).splitlines()
+    at = lines.index("| --kv-cache-dtype | served ppl | ÷ auto | reference ppl |")
+    assert lines[at + 2 : at + 5] == ["| auto | 32.50 | 1.000 | 32.40 |", "| fp8 | 33.00 | 1.015 | – |",
+                                      "| temporalkv-2bit | 39.90 | 1.228 | 40.10 |"]
+    assert any(ln.startswith("**Perplexity through the server, brown, qwen2.5-1.5b**") for ln in lines)
+    assert "| auto | 21.50 | – | – |" in lines
