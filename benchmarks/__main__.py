@@ -1,6 +1,6 @@
 """Regenerate every table and plot of the README from scratch.
 
-    python -m benchmarks                 # calibrate (if needed), quality, capacity, retrieval, [kernels],
+    python -m benchmarks                 # calibrate (if needed), quality, served perplexity, capacity, retrieval, [kernels],
                                          # cpu kernels, stress, artifact fuzzing, README
     python -m benchmarks --only capacity retrieval
     python -m benchmarks --dry-run       # print the commands
@@ -24,6 +24,7 @@ STEPS = {
     # name: (command after `python -m`, needs a GPU)
     "calibrate-unweighted": (["calibrate", "--no-fisher", "--output", "runs/smollm2-unweighted.safetensors"], False),
     "quality": (["benchmarks.quality", "--ablation-artifact", "runs/smollm2-unweighted.safetensors"], False),
+    "served-ppl": (["benchmarks.served_ppl"], False),
     "capacity": (["benchmarks.capacity"], False),
     "retrieval": (["benchmarks.retrieval"], False),
     "kernels": (["benchmarks.kernels"], True),
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
     steps = args.only or list(STEPS)
     cmds = []
     default_artifact = resolve_model(None) / "temporalkv" / "calibration.safetensors"
-    if not _full_calibration(default_artifact) and any(s in steps for s in ("quality", "capacity", "retrieval")):
+    if not _full_calibration(default_artifact) and any(s in steps for s in ("quality", "served-ppl", "capacity", "retrieval")):
         cmds.append(("calibrate", [sys.executable, "-m", "calibrate"]))
     for name in steps:
         cmd, gpu = STEPS[name]

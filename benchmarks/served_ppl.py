@@ -114,8 +114,7 @@ def serve_format(args, model_dir, fmt: str, windows: list[list[int]]) -> dict:
     try:
         t1 = time.time()
         nlls = served_nlls(s.url, windows, args.concurrency)
-        return {"nlls": nlls, "kv_tokens": s.kv_capacity_tokens(), "startup_s": round(t1 - t0, 1),
-                "score_s": round(time.time() - t1, 1)}
+        return {"nlls": nlls, "startup_s": round(t1 - t0, 1), "score_s": round(time.time() - t1, 1)}
     finally:
         s.stop()
 
@@ -198,8 +197,7 @@ def summarize(settings: dict, res: dict) -> dict:
             continue
         nll = mean_nll(r["nlls"])
         c = {"nll": nll, "ppl": math.exp(nll), "tokens": sum(map(len, r["nlls"])),
-             "window_nll": [sum(w) / len(w) for w in r["nlls"]], "kv_tokens": r["kv_tokens"],
-             "startup_s": r["startup_s"], "score_s": r["score_s"], "seconds": r["seconds"]}
+             "window_nll": [sum(w) / len(w) for w in r["nlls"]], "startup_s": r["startup_s"], "score_s": r["score_s"], "seconds": r["seconds"]}
         if auto is not None:
             d = paired(auto, r["nlls"])
             c.update(ppl_ratio_vs_auto=math.exp(d["mean"]), nll_vs_auto=d)
@@ -220,18 +218,17 @@ def write_markdown(rep: dict, path: Path) -> None:
              "Served: the server's own prompt logprobs (echo), NLL of every token but each window's first. Reference: "
              "the same windows under the quality harness's causal protocol in float32 transformers (auto: the "
              "uncompressed model, K / V rounded to bf16). Brackets: 95% bootstrap intervals over the windows, paired.", "",
-             "| format | served ppl | x auto | NLL - auto's (nats) | reference ppl | served - reference (nats) | KV tokens |",
-             "|---|---|---|---|---|---|---|"]
+             "| format | served ppl | x auto | NLL - auto's (nats) | reference ppl | served - reference (nats) |",
+             "|---|---|---|---|---|---|"]
     for fmt, c in rep["configs"].items():
         if "error" in c:
-            lines.append(f"| {fmt} | error: {c['error']} | | | | | |")
+            lines.append(f"| {fmt} | error: {c['error']} | | | | |")
             continue
         d, g = c.get("nll_vs_auto"), c.get("served_vs_reference")
         lines.append(f"| {fmt} | {c['ppl']:.3f} | {c.get('ppl_ratio_vs_auto', float('nan')):.4f} | "
                      + (f"{d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]" if d else "–") + " | "
                      + (f"{c['reference_ppl']:.3f}" if "reference_ppl" in c else "–") + " | "
-                     + (f"{g['mean']:+.4f} [{g['ci95'][0]:+.4f}, {g['ci95'][1]:+.4f}]" if g else "–")
-                     + f" | {c['kv_tokens']} |")
+                     + (f"{g['mean']:+.4f} [{g['ci95'][0]:+.4f}, {g['ci95'][1]:+.4f}]" if g else "–") + " |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -248,6 +245,7 @@ def plot(rep: dict, path: Path) -> None:
     ax.bar(x + 0.2, [c.get("reference_ppl", np.nan) for _, c in rows], 0.4, label="reference (causal protocol)")
     ax.set_xticks(x, [f for f, _ in rows], rotation=30, ha="right")
     ax.set_ylabel("perplexity")
+    ax.set_ylim(bottom=0.95 * min(c["ppl"] for _, c in rows))  # the differences, not the common 30-odd
     s = rep["settings"]
     ax.set_title(f"{s['model']}, {s['data']}: {s['windows']} x {s['seq_len']} tokens through the server")
     ax.legend()

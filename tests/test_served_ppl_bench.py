@@ -34,7 +34,6 @@ def test_smoke_run(tmp_path, tiny_artifact):
     assert ours["nll_vs_auto"]["ci95"][0] > 0
     assert math.isclose(ours["ppl_ratio_vs_auto"], math.exp(ours["nll_vs_auto"]["mean"]))
     assert ours["reference_nll"] > auto["reference_nll"]
-    assert ours["kv_tokens"] > 5 * auto["kv_tokens"]
     assert rep["headline"] is None
     assert (out / "served-ppl.md").is_file() and (out / "served-ppl.png").is_file()
     assert (HEADLINE.read_bytes() if HEADLINE.is_file() else None) == before  # --smoke never touches the headline

@@ -111,8 +111,9 @@ def _on_config(vllm_config) -> None:
                         "that carry their own sinks and tail", cc.cache_dtype, cc.block_size, cc.block_size)
         else:
             if cc.block_size != DEFAULT_BLOCK_SIZE:
-                logger.info("%s: using KV block size %d (pages keep 16 half-precision tokens; large pages "
-                            "amortize them); pass --block-size to override", cc.cache_dtype, DEFAULT_BLOCK_SIZE)
+                logger.info("%s: using KV block size %d (each page keeps its sinks and incomplete block, 16 "
+                            "tokens, and any recent window in half precision; large pages amortize them); pass "
+                            "--block-size to override", cc.cache_dtype, DEFAULT_BLOCK_SIZE)
             cc.block_size = DEFAULT_BLOCK_SIZE
     _check_model(vllm_config)  # after the block size is final
     art = load_artifact(vllm_config)
