@@ -1,5 +1,5 @@
 // Prefill attention (a chunk of queries over decoded + exact keys), fused and GQA-aware.  Included by
-// kernels_impl.h inside its per-ISA anonymous namespace (vf, vload, vfma, vexp, hsum, W from there).
+// kernels_impl.h inside its per-ISA anonymous namespace (vf, vload, vfma, vexp2, hsum, W from there).
 //
 // Why: the chunk's attention was torch's float32 flash kernel on K/V copied once per query head of a GQA
 // group, with the own block's exact keys in a second pass merged by log-sum-exp; on a 2-core AVX-512 machine it
@@ -8,13 +8,13 @@
 // taken from the exact keys in the same pass: one softmax over the union, no merge.
 //
 // Arithmetic, the same for a query whatever rows share its group (so its output does not depend on how the
-// prompt was chunked or batched): scores s[t] = sum_c (q[c] * scale) * k_t[c] as one FMA chain in channel
-// order per key; keys in 32-token tiles at absolute positions, tiles in order; per tile the running max, exp
-// of the valid lanes (others exactly 0), the tile's weights added lane-wise into a vector of partial sums (reduced
-// once, at the end: a horizontal sum per row and tile was ~a fifth of the kernel - the same chunk as below, 71 ->
-// 61 ms), then V accumulated key by key in order with FMAs.  A tile a query sees nothing of is skipped (adding
-// exact zeros would change nothing).  Which of the two sources a key comes from depends only on the query's own
-// position.
+// prompt was chunked or batched): scores s[t] = sum_c (q[c] * scale log2(e)) * k_t[c] as one FMA chain in channel
+// order per key (bf16: pair sums times scale log2(e)); keys in 32-token tiles at absolute positions, tiles in
+// order; per tile the running max, 2^(s - max) of the valid lanes (vexp2; others exactly 0), the tile's weights
+// added lane-wise into a vector of partial sums (reduced once, at the end: a horizontal sum per row and tile was
+// ~a fifth of the kernel - the same chunk as below, 71 -> 61 ms), then V accumulated key by key in order with
+// FMAs.  A tile a query sees nothing of is skipped (adding exact zeros would change nothing).  Which of the two
+// sources a key comes from depends only on the query's own position.
 
 constexpr int PF_RB = 4;     // rows per score micro-block
 
@@ -158,6 +158,7 @@ void prefill_item_t(const PrefillArgs& a, int64_t item) {
   vf l[PF_ROWS];  // each row's partial sums of its weights, lane-wise (hsum at the end)
   int64_t pos[PF_ROWS], ex[PF_ROWS];  // the query's position; its first exactly-read key
   int64_t pmax = -1;
+  const float scale2 = a.scale * 1.44269504088896341f;  // the softmax in powers of 2 (vexp2): log2(e) in the scale
   for (int k = 0; k < nrp; ++k) {
     m[k] = -__builtin_inff();
     l[k] = vf{};
@@ -165,7 +166,7 @@ void prefill_item_t(const PrefillArgs& a, int64_t item) {
     if (k < nr) {
       const int64_t r = r0 + k, i = r / g;
       const float* q = a.q + (i * a.Hq + (int64_t)h * g + r % g) * D;
-      for (int c = 0; c < D; ++c) qs[k * MAX_D + c] = q[c] * a.scale;
+      for (int c = 0; c < D; ++c) qs[k * MAX_D + c] = q[c] * scale2;
       if (b16) __builtin_memcpy(qp + k * (MAX_D / 2), a.q16 + (q - a.q), sizeof(uint16_t) * D);
       pos[k] = a.offset + i;
       ex[k] = exact_start(pos[k], a.window);  // own block (a recent window) exact; block 0: the sinks
@@ -199,8 +200,8 @@ void prefill_item_t(const PrefillArgs& a, int64_t item) {
       const bool dec = t0 < be, exa = t0 + TILE > le;  // some row reads decoded / exact keys here
 #if TKV_W == 16
       if (b16) {
-        if (dec) pf_scores_bf16(qp + k0 * (MAX_D / 2), D, a.kdT16 + (int64_t)h * a.nd * D + t0 * D, a.scale, sd);
-        if (exa) pf_scores_bf16(qp + k0 * (MAX_D / 2), D, a.kxT16 + (int64_t)h * a.nx * D + (t0 - a.x0) * D, a.scale, sx);
+        if (dec) pf_scores_bf16(qp + k0 * (MAX_D / 2), D, a.kdT16 + (int64_t)h * a.nd * D + t0 * D, scale2, sd);
+        if (exa) pf_scores_bf16(qp + k0 * (MAX_D / 2), D, a.kxT16 + (int64_t)h * a.nx * D + (t0 - a.x0) * D, scale2, sx);
       } else
 #endif
       {
@@ -217,19 +218,19 @@ void prefill_item_t(const PrefillArgs& a, int64_t item) {
           continue;
         }
         const int split = (int)(e - t0 < 0 ? 0 : (e - t0 < TILE ? e - t0 : TILE));  // decoded lanes [0, split)
-        if (hi == TILE && (split == TILE || split == 0)) {  // one source, every lane valid (most tiles)
-          const float* src = (split ? sd : sx) + k * TILE;
-          for (int v = 0; v < TILE; v += W) vstore(wk + v, vload(src + v));
+        const float* src = wk;  // the row's scores: read in place from one source, every lane valid (most tiles)
+        if (hi == TILE && (split == TILE || split == 0)) {
+          src = (split ? sd : sx) + k * TILE;
         } else {
           for (int t = 0; t < TILE; ++t)
             wk[t] = t >= hi ? -__builtin_inff() : (t < split ? sd[k * TILE + t] : sx[k * TILE + t]);
         }
         vf mv = ninf;
-        for (int v = 0; v < TILE; v += W) mv = vmax(mv, vload(wk + v));
+        for (int v = 0; v < TILE; v += W) mv = vmax(mv, vload(src + v));
         const float tm = hmax(mv);
         float* mk = m + k0 + k;
         if (tm > *mk) {
-          const float alpha = __builtin_expf(*mk - tm);  // 0 for the first tile a row sees
+          const float alpha = __builtin_exp2f(*mk - tm);  // 0 for the first tile a row sees
           const vf ab = vbc(alpha);
           l[k0 + k] = l[k0 + k] * ab;
           float* ak = acc + (k0 + k) * MAX_D;
@@ -239,9 +240,9 @@ void prefill_item_t(const PrefillArgs& a, int64_t item) {
         const vf mb = vbc(*mk);
         vf sum = vf{};
         for (int v = 0; v < TILE; v += W) {
-          const vf s = vload(wk + v);
-          vf e_ = vexp(s - mb);
-          e_ = s == ninf ? vf{} : e_;  // vexp clamps: masked lanes must be exactly 0
+          const vf s = vload(src + v);
+          vf e_ = vexp2(s - mb);
+          e_ = s == ninf ? vf{} : e_;  // vexp2 clamps: masked lanes must be exactly 0
           vstore(wk + v, e_);
           sum += e_;
         }
