@@ -71,12 +71,8 @@ inline __m512 exp16(__m512 x) {
 inline __m512 exp2_16(__m512 x) {  // (finite x: scalef takes any exponent, 2^-300 is 0)
   const __m512 xf = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, xf);
-  __m512 p = _mm512_set1_ps(1.8762329e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.9925844e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5823606e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4015453e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9315296e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.99999994f));
+  __m512 p = _mm512_set1_ps(EXP2_FRAC[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_FRAC[i]));
   return _mm512_scalef_ps(p, xf);
 }
 

@@ -16,6 +16,9 @@ constexpr int TILE = 32;   // tokens per prefill key tile (multiple of BLOCK; pr
 constexpr int DTILE = 64;
 constexpr int MAX_D = 256;
 constexpr int QJL_OUTLIERS = 8;  // QJL: outlier channels per block of 8 keys (methods.QJL_OUTLIERS)
+// 2^f on [0, 1) for the softmaxes in powers of 2 (kernels_impl.h vexp2, amx_attention.h exp2_16): a degree-5 fit,
+// highest power first (Horner), relative error 8e-8
+constexpr float EXP2_FRAC[6] = {1.8762329e-3f, 8.9925844e-3f, 5.5823606e-2f, 2.4015453e-1f, 6.9315296e-1f, 0.99999994f};
 constexpr int PF_ROWS = 32;  // prefill: query rows (position x head of a GQA group) sharing each K/V tile read
 
 // the code paths, chosen in Python from the code layout's geometry (layout.CodeLayout.kernel_variant):

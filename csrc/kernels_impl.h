@@ -109,11 +109,10 @@ inline vf vexp(vf x) {
 
 // 2^x for the prefill's softmax, x <= 0 in the log2 domain (the scores' scale carries log2(e), so the max is
 // subtracted and the power taken with no multiply): 2^floor(x) exactly, x clamped at -126 where that is still a
-// normal float (callers zero masked lanes themselves), times 2^frac(x) by a degree-5 fit on [0, 1) (relative error
-// 8e-8: amx_attention.h's exp2_16).  10 vector ops on AVX-512 against vexp's 17; AVX2 floors with one VROUNDPS.
-// With the scores read in place (no copy per row and tile), a served prefill chunk's layer on a 2-core AMD EPYC
-// (bf16, AVX512_BF16): SmolLM2's 4096 tokens ~46 -> ~42 ms, Llama-8B's 2048 at 6k 341 -> 328 ms; float32 on AVX2
-// 159 -> 152 ms.
+// normal float (callers zero masked lanes themselves), times 2^frac(x) (EXP2_FRAC, as amx_attention.h's exp2_16).
+// 10 vector ops on AVX-512 against vexp's 17; AVX2 floors with one VROUNDPS.  With the scores read in place (no copy
+// per row and tile), a served prefill chunk's layer on a 2-core AMD EPYC (bf16, AVX512_BF16): SmolLM2's 4096 tokens
+// ~46 -> ~42 ms, Llama-8B's 2048 at 6k 341 -> 328 ms; float32 on AVX2 159 -> 152 ms.
 inline vf vexp2(vf x) {
   x = vmax(x, vbc(-126.0f));
 #if TKV_W == 16
@@ -126,12 +125,8 @@ inline vf vexp2(vf x) {
   const vf xf = __builtin_convertvector(ti, vf);
 #endif
   const vf f = x - xf;
-  vf p = vbc(1.8762329e-3f);
-  p = vfma(p, f, vbc(8.9925844e-3f));
-  p = vfma(p, f, vbc(5.5823606e-2f));
-  p = vfma(p, f, vbc(2.4015453e-1f));
-  p = vfma(p, f, vbc(6.9315296e-1f));
-  p = vfma(p, f, vbc(0.99999994f));
+  vf p = vbc(EXP2_FRAC[0]);
+  for (int i = 1; i < 6; ++i) p = vfma(p, f, vbc(EXP2_FRAC[i]));
 #if TKV_W == 16
   return (vf)_mm512_scalef_ps((__m512)p, (__m512)xf);
 #else
