@@ -13,8 +13,10 @@ transformers, the same artifact - so a served format whose kernels, paging or pr
 its reference, and auto's gap (bf16 serving against the float32 model) is the yardstick for the others' (vLLM's fp8
 has no reference here).  Paired with auto window by window: the mean NLL difference and its 95% bootstrap interval.
 
-Writes served-ppl[-<model>].json / .md / .png to --out and merges ``served_ppl.<data>[.<model>].<format>.ppl``,
-``.ratio_vs_auto`` (perplexity / auto's, same windows) and ``.reference_ppl`` into headline.json.
+Each format's row is saved as soon as it is measured, and a rerun with the same settings reuses the rows it finds
+(``--rerun`` measures them again).  Writes served-ppl[-<model>].json / .md / .png to --out and merges
+``served_ppl.<data>[.<model>].<format>.ppl``, ``.ratio_vs_auto`` (perplexity / auto's, same windows) and
+``.reference_ppl`` into headline.json.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ from .quality import model_tag
 DEFAULT_FORMATS = ["auto", "fp8", "temporalkv-4bit", "temporalkv-k4v2", "temporalkv-2bit", "channelkv-2bit",
                    "kvquant-2bit", "selective-int4", "tada-4bit", "qjl"]
 BOOT = 2000
+
+
+def windowed(nlls: list[list[float]]) -> dict:
+    """Per-token NLLs of each window -> what the report keeps of them: each window's summed NLL and token count."""
+    return {"sums": [math.fsum(w) for w in nlls], "tokens": [len(w) for w in nlls]}
 
 
 def served_nlls(url: str, windows: list[list[int]], concurrency: int) -> list[list[float]]:
@@ -81,10 +88,10 @@ def _float32_model(model_dir: str):  # loaded once for every format's reference
     return load_hf_model(model_dir, dtype=torch.float32)
 
 
-def paired(a: list[list[float]], b: list[list[float]], rounds: int = BOOT, seed: int = 0) -> dict:
-    """Mean per-token NLL of b minus a's over the same windows, with a 95% bootstrap interval over the windows."""
-    sa, sb = np.array([sum(w) for w in a]), np.array([sum(w) for w in b])
-    n = np.array([len(w) for w in a])
+def paired(a: dict, b: dict, rounds: int = BOOT, seed: int = 0) -> dict:
+    """Mean per-token NLL of b minus a's over the same windows (``windowed``), with a 95% bootstrap interval over
+    the windows."""
+    sa, sb, n = np.array(a["sums"]), np.array(b["sums"]), np.array(a["tokens"])
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(n), size=(rounds, len(n)))
     boot = (sb[idx].sum(1) - sa[idx].sum(1)) / n[idx].sum(1)
@@ -92,8 +99,8 @@ def paired(a: list[list[float]], b: list[list[float]], rounds: int = BOOT, seed:
     return {"mean": float((sb.sum() - sa.sum()) / n.sum()), "ci95": [float(lo), float(hi)]}
 
 
-def mean_nll(nlls: list[list[float]]) -> float:
-    return sum(map(sum, nlls)) / sum(map(len, nlls))
+def mean_nll(w: dict) -> float:
+    return math.fsum(w["sums"]) / sum(w["tokens"])
 
 
 def serve_format(args, model_dir, fmt: str, windows: list[list[int]]) -> dict:
@@ -113,8 +120,12 @@ def serve_format(args, model_dir, fmt: str, windows: list[list[int]]) -> dict:
         return {"error": error_line(e.log, s.proc.returncode if s.proc else None)}
     try:
         t1 = time.time()
-        nlls = served_nlls(s.url, windows, args.concurrency)
-        return {"nlls": nlls, "startup_s": round(t1 - t0, 1), "score_s": round(time.time() - t1, 1)}
+        try:
+            nlls = served_nlls(s.url, windows, args.concurrency)
+        except Exception as e:  # a failed request (the server died, refused, scored too few tokens): this format's row
+            return {"error": f"scoring failed: {type(e).__name__}: {str(e)[:300]}; server: "
+                             f"{error_line(s.log(), s.proc.poll() if s.proc else None)}"}
+        return {"served": windowed(nlls), "startup_s": round(t1 - t0, 1), "score_s": round(time.time() - t1, 1)}
     finally:
         s.stop()
 
@@ -147,26 +158,31 @@ def run(args) -> dict:
     tag = model_tag(args.model)
     settings = dict(data=args.data, windows=args.windows, seq_len=args.seq_len, model=str(args.model or "smollm2"),
                     dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, concurrency=args.concurrency,
+                    reference=not args.no_reference,
                     artifact=str(art_path) if art else None, artifact_calibration=art.calibration if art else None)
-    res = {}
+    stem = "served-ppl" + (f"-{tag}" if tag else "")
+    out = Path(args.out)
+    res = reusable(out / f"{stem}.json", settings, args)
+    if res:
+        print(f"reusing {', '.join(res)} from {out / f'{stem}.json'} (same settings; --rerun measures them again)")
     for fmt in args.formats:
+        if fmt in res:
+            continue
         t0 = time.time()
         r = serve_format(args, model_dir, fmt, windows)
         if "error" not in r and not args.no_reference:
             ref = reference_nlls(model_dir, art, fmt, windows)
             if ref is not None:
-                r["reference_nlls"] = ref
+                r["reference"] = windowed(ref)
         r["seconds"] = round(time.time() - t0, 1)
         res[fmt] = r
         print(f"{fmt:20} " + (f"error: {r['error']}" if "error" in r else
-                              f"served nll {mean_nll(r['nlls']):.4f}" +
-                              (f", reference {mean_nll(r['reference_nlls']):.4f}" if "reference_nlls" in r else "")),
+                              f"served nll {mean_nll(r['served']):.4f}" +
+                              (f", reference {mean_nll(r['reference']):.4f}" if "reference" in r else "")),
               flush=True)
+        write_json(out / f"{stem}.json", {**summarize(settings, res), "run": run_record()})  # each format when done
     report = summarize(settings, res)
     report["run"] = run_record()
-    stem = "served-ppl" + (f"-{tag}" if tag else "")
-    out = Path(args.out)
-    write_json(out / f"{stem}.json", report)
     write_markdown(report, out / f"{stem}.md")
     plot(report, out / f"{stem}.png")
     where = f"served_ppl.{args.data}." + (f"{tag}." if tag else "")
@@ -187,24 +203,38 @@ def run(args) -> dict:
     return report
 
 
+def reusable(path: Path, settings: dict, args) -> dict:
+    """The formats an earlier run at path measured under the same settings (data, windows, dtype, artifact and its
+    calibration, ...): reused, as the quality harness reuses its configurations, unless --rerun; failed ones are
+    measured again."""
+    if args.rerun or not path.is_file():
+        return {}
+    prev = json.loads(path.read_text())
+    if prev.get("settings") != settings:
+        return {}
+    return {f: c["raw"] for f, c in prev.get("configs", {}).items() if f in args.formats and "raw" in c}
+
+
 def summarize(settings: dict, res: dict) -> dict:
-    """Per format: served and reference perplexity, the served - reference gap, the paired difference with auto."""
+    """Per format: served and reference perplexity, the served - reference gap, the paired difference with auto;
+    "raw" keeps what they are computed from (each window's NLL sum and token count)."""
     configs = {}
-    auto = res.get("auto", {}).get("nlls")
+    auto = res.get("auto", {}).get("served")
     for fmt, r in res.items():
         if "error" in r:
             configs[fmt] = {"error": r["error"]}
             continue
-        nll = mean_nll(r["nlls"])
-        c = {"nll": nll, "ppl": math.exp(nll), "tokens": sum(map(len, r["nlls"])),
-             "window_nll": [sum(w) / len(w) for w in r["nlls"]], "startup_s": r["startup_s"], "score_s": r["score_s"], "seconds": r["seconds"]}
+        w = r["served"]
+        nll = mean_nll(w)
+        c = {"nll": nll, "ppl": math.exp(nll), "tokens": sum(w["tokens"]),
+             "window_nll": [x / n for x, n in zip(w["sums"], w["tokens"])]}
         if auto is not None:
-            d = paired(auto, r["nlls"])
+            d = paired(auto, w)
             c.update(ppl_ratio_vs_auto=math.exp(d["mean"]), nll_vs_auto=d)
-        if "reference_nlls" in r:
-            ref = mean_nll(r["reference_nlls"])
-            c.update(reference_nll=ref, reference_ppl=math.exp(ref), served_vs_reference=paired(r["reference_nlls"], r["nlls"]))
-        configs[fmt] = c
+        if "reference" in r:
+            ref = mean_nll(r["reference"])
+            c.update(reference_nll=ref, reference_ppl=math.exp(ref), served_vs_reference=paired(r["reference"], w))
+        configs[fmt] = {**c, "raw": r}
     return {"settings": settings, "configs": configs}
 
 
@@ -266,6 +296,9 @@ def main(argv=None):
                    help="vLLM's prefill chunk (default 2048; smoke 128, so the windows are prefilled in chunks)")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--no-reference", action="store_true", help="skip the float32 reference scoring")
+    p.add_argument("--rerun", action="store_true",
+                   help="measure every format again (default: reuse those an earlier run with the same settings "
+                        "measured)")
     p.add_argument("--server-timeout", type=float, default=900)
     add_dtype_arg(p)
     add_smoke_args(p, "2 windows of 256 tokens, auto and temporalkv-2bit, into a temp dir")

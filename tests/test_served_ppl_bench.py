@@ -37,6 +37,12 @@ def test_smoke_run(tmp_path, tiny_artifact):
     assert rep["headline"] is None
     assert (out / "served-ppl.md").is_file() and (out / "served-ppl.png").is_file()
     assert (HEADLINE.read_bytes() if HEADLINE.is_file() else None) == before  # --smoke never touches the headline
+    # run again with the same settings: nothing measured again (no server: the figures as they were, from the
+    # windows' sums kept in the report)
+    r = run_bench("benchmarks.served_ppl", "--smoke", "--artifact", tiny_artifact, "--out", out, timeout=600)
+    assert "reusing auto, temporalkv-2bit" in r.stdout and "served nll" not in r.stdout
+    again = json.loads((out / "served-ppl.json").read_text())
+    assert again["configs"] == rep["configs"]
 
 
 def test_missing_codebooks_are_named(tmp_path, tiny_artifact):
