@@ -38,15 +38,20 @@ def _grouped(h: dict, pattern: str) -> dict[str, dict[str, dict[str, float]]]:
     return rows
 
 
-def _quality(h: dict) -> dict[tuple[str, str], dict[str, dict[str, float]]]:
-    """quality.<data>[.<model>].<format>.<metric> -> {(data, model): {format: {metric: value}}}; the default
-    SmolLM2's keys have no model part (model ""), another model's a short name with dots (qwen2.5-1.5b)."""
+def _by_data_model(h: dict, bench: str, metrics: str) -> dict[tuple[str, str], dict[str, dict[str, float]]]:
+    """<bench>.<data>[.<model>].<format>.<metric> (metric one of the alternatives `metrics`) -> {(data, model):
+    {format: {metric: value}}}; the default SmolLM2's keys have no model part (model ""), another model's a short
+    name with dots (qwen2.5-1.5b)."""
     rows: dict[tuple[str, str], dict[str, dict[str, float]]] = {}
     for k, v in h.items():
-        m = re.fullmatch(r"quality\.([^.]+)\.(?:(.+?)(?<!-o\d)\.)?" + FORMAT + r"\.(ppl|bits_per_float)", k)
+        m = re.fullmatch(re.escape(bench) + r"\.([^.]+)\.(?:(.+?)(?<!-o\d)\.)?" + FORMAT + rf"\.({metrics})", k)
         if m:
             rows.setdefault((m.group(1), m.group(2) or ""), {}).setdefault(m.group(3), {})[m.group(4)] = v
     return dict(sorted(rows.items()))
+
+
+def _quality(h: dict) -> dict[tuple[str, str], dict[str, dict[str, float]]]:
+    return _by_data_model(h, "quality", "ppl|bits_per_float")
 
 
 def _where(data: str, model: str) -> tuple[str, str]:
@@ -105,13 +110,8 @@ def pareto_table(h: dict) -> list[str]:
 
 def served_ppl_table(h: dict) -> list[str]:
     """served_ppl.<data>[.<model>].<format>.<metric> (benchmarks.served_ppl): one table per data and model."""
-    rows: dict[tuple[str, str], dict[str, dict[str, float]]] = {}
-    for k, v in h.items():
-        m = re.fullmatch(r"served_ppl\.([^.]+)\.(?:(.+?)(?<!-o\d)\.)?" + FORMAT + r"\.(ppl|ratio_vs_auto|reference_ppl)", k)
-        if m:
-            rows.setdefault((m.group(1), m.group(2) or ""), {}).setdefault(m.group(3), {})[m.group(4)] = v
     out = []
-    for (data, model), r in sorted(rows.items()):
+    for (data, model), r in _by_data_model(h, "served_ppl", "ppl|ratio_vs_auto|reference_ppl").items():
         stem = "served-ppl" + (f"-{model}" if model else "")
         out += [f"**Perplexity through the server, {data}{', ' + model if model else ''}** (each format's own prompt "
                 f"logprobs over HTTP; reference: the same windows under the causal protocol in float32 transformers, "
