@@ -57,7 +57,8 @@ def _cpu_extension() -> dict:
     # one unit per ISA, each with its own `#pragma GCC target`; never -march=native (the build
     # may move to a CPU with fewer features): the AVX-512 / AVX2 / portable variant is picked at run time
     x86 = platform.machine().lower() in ("x86_64", "amd64", "i686")
-    units = ["ops.cpp", "isa_scalar.cpp"] + (["isa_avx2.cpp", "isa_avx512.cpp", "isa_amx.cpp"] if x86 else [])
+    units = ["ops.cpp", "isa_scalar.cpp"] + (["isa_avx2.cpp", "isa_avx512.cpp", "isa_amx.cpp", "isa_amx_emu.cpp"]
+                                             if x86 else [])
     ext = CppExtension(
         "vllm_temporalkv._C_cpu",
         sources=[os.path.join("csrc", u) for u in units],

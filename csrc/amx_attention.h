@@ -26,9 +26,16 @@
 
 #include "common.h"
 
+// TKV_AMX_UNIT: the inline namespace this unit's copy lives in (isa_amx.cpp: tiles_unit, isa_amx_emu.cpp:
+// emulated_unit), so that the two copies of these inline functions are two sets of symbols, never merged by the
+// linker
+#ifndef TKV_AMX_UNIT
+#error "define TKV_AMX_UNIT (the including unit's namespace) before including amx_attention.h"
+#endif
+
 namespace tkv {
 namespace amx {
-
+inline namespace TKV_AMX_UNIT {
 
 namespace {
 
@@ -469,5 +476,6 @@ inline void long_panel(const ChunkArgs& a, const LongShape& s, int h, int64_t p0
 }
 
 // ---- end of long chunks
+}  // namespace TKV_AMX_UNIT
 }  // namespace amx
 }  // namespace tkv

@@ -237,15 +237,20 @@ struct ChunkArgs {
   int64_t so_t, so_h;
   int64_t window = 0;                 // a recent window: exact from `window` tokens before the own block (long chunks)
 };
-void chunk_head_entry(const ChunkArgs& a, int h);
 // the long-chunk kernel's packed operands per KV head (amx_attention.h long_offsets): rows and keys padded to 32
 struct LongShape {
   int64_t Rp, nd32, nx32;
   int D;
   int64_t words_per_head() const { return Rp * D / 2 + (nd32 + nx32) * D; }
 };
-void long_pack_entry(const ChunkArgs& a, const LongShape& s, int h, uint32_t* buf);
-void long_panel_entry(const ChunkArgs& a, const LongShape& s, int h, int64_t panel, const uint32_t* buf);
+// amx_attention.h's entries: `tiles` on AMX-BF16 tiles (isa_amx.cpp), `emulated` the same code with each tile
+// instruction done in AVX512-BF16 (isa_amx_emu.cpp, amx_emulate.h: the kernels' tests on CPUs without tiles)
+struct TileKernels {
+  void (*chunk_head)(const ChunkArgs& a, int h);  // a short chunk, KV head h
+  void (*long_pack)(const ChunkArgs& a, const LongShape& s, int h, uint32_t* buf);
+  void (*long_panel)(const ChunkArgs& a, const LongShape& s, int h, int64_t panel, const uint32_t* buf);
+};
+extern const TileKernels tiles, emulated;
 constexpr int LONG_PANEL_ROWS = 256;  // amx_attention.h LONG_ROWS
 }  // namespace amx
 

@@ -3,14 +3,11 @@
 #if defined(__x86_64__)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16,avx2,fma,f16c")
+#define TKV_AMX_UNIT tiles_unit
 #include "amx_attention.h"
 namespace tkv {
 namespace amx {
-void chunk_head_entry(const ChunkArgs& a, int h) { chunk_head(a, h); }
-void long_pack_entry(const ChunkArgs& a, const LongShape& s, int h, uint32_t* buf) { pack_long(a, s, h, buf); }
-void long_panel_entry(const ChunkArgs& a, const LongShape& s, int h, int64_t panel, const uint32_t* buf) {
-  long_panel(a, s, h, panel, buf);
-}
+const TileKernels tiles{&chunk_head, &pack_long, &long_panel};
 }  // namespace amx
 }  // namespace tkv
 #pragma GCC pop_options

@@ -1056,10 +1056,10 @@ void window_merge(const at::Tensor& q, const at::Tensor& kd, const at::Tensor& v
   parallel_items(H * chunks, [&](int64_t i) { kern->window_item(a, i); });
 }
 
-// Whether the AMX short-chunk attention can run here: AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22),
-// AVX512-BF16, and Linux granting this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, as
-// vLLM's CPU worker and torch ask it; asking again is harmless).  Asked once.
-bool amx_ready() {
+// Whether this CPU has AMX tiles for the prefill-chunk attention: AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24
+// and 22), AVX512-BF16, and Linux granting this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA, as vLLM's CPU worker and torch ask it; asking again is harmless).  Asked once.
+bool amx_tiles() {
 #if defined(__x86_64__)
   static const bool ok = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
@@ -1073,6 +1073,45 @@ bool amx_ready() {
 #endif
 }
 
+// Whether the tile kernels' emulation (amx_emulate.h: each tile instruction in AVX512-BF16) can run here.
+bool amx_emulation_possible() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// The emulation in place of the tiles: asked for by tests on CPUs without tiles (or, on an AMX CPU, to check the
+// emulation against the tiles) - set_amx_emulated, or VLLM_TEMPORALKV_CPU_AMX_EMULATE=1 at load.  Never chosen by
+// itself: emulated, a chunk attends slower than on the C++ kernel.
+bool g_amx_emulated = [] {
+  const char* env = std::getenv("VLLM_TEMPORALKV_CPU_AMX_EMULATE");
+  return env && env[0] == '1' && amx_emulation_possible();
+}();
+
+// Whether the AMX prefill-chunk attention runs here: on the tiles, or emulated where asked.
+bool amx_ready() { return g_amx_emulated || amx_tiles(); }
+
+bool amx_emulated() { return g_amx_emulated; }
+
+void set_amx_emulated(bool on) {
+  TORCH_CHECK(!on || amx_emulation_possible(),
+              "emulating AMX tiles needs AVX512-BF16, which this CPU lacks (the AMX kernels' tests skip here)");
+  g_amx_emulated = on;
+}
+
+// The tile kernels that serve: amx_ready() is checked first
+const amx::TileKernels& tile_kernels() {
+#if defined(__x86_64__)
+  return g_amx_emulated ? amx::emulated : amx::tiles;
+#else
+  TORCH_CHECK(false, "no AMX tile kernels in this build (not x86-64)");
+  __builtin_unreachable();
+#endif
+}
+
 // A long chunk's attention on AMX tiles (amx_attention.h long_panel): every KV head's operands packed (one item per
 // head), then panels of rows (the longest first).
 void amx_long(const amx::ChunkArgs& a) {
@@ -1082,8 +1121,9 @@ void amx_long(const amx::ChunkArgs& a) {
   thread_local std::vector<uint32_t> packed;
   if (packed.size() < (size_t)(ls.words_per_head() * H)) packed.resize(ls.words_per_head() * H);
   uint32_t* buf = packed.data();
-  parallel_items(H, [&](int64_t h) { amx::long_pack_entry(a, ls, (int)h, buf); });
-  parallel_items(H * panels, [&](int64_t i) { amx::long_panel_entry(a, ls, (int)(i % H), panels - 1 - i / H, buf); });
+  const amx::TileKernels& k = tile_kernels();
+  parallel_items(H, [&](int64_t h) { k.long_pack(a, ls, (int)h, buf); });
+  parallel_items(H * panels, [&](int64_t i) { k.long_panel(a, ls, (int)(i % H), panels - 1 - i / H, buf); });
 }
 
 // ops.cpu.prefill_attention's attention (a chunk's queries over the decoded keys before their exact start and the
@@ -1159,7 +1199,8 @@ void prefill_chunk_flash(const at::Tensor& pages, const at::Tensor& q, const at:
                      reinterpret_cast<uint16_t*>(out.data_ptr()), out.stride(0), out.stride(1)};
     TORCH_CHECK(a.nd <= kdc.size(0) && x0 + a.nx == n, "prefill_chunk_flash: the AMX path's key rows");
     if (short_chunk) {
-      parallel_items(H, [&](int64_t h) { amx::chunk_head_entry(a, (int)h); });
+      const amx::TileKernels& k = tile_kernels();
+      parallel_items(H, [&](int64_t h) { k.chunk_head(a, (int)h); });
       return;
     }
     amx_long(a);
@@ -1247,10 +1288,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_chunk_flash", &tkv::prefill_chunk_flash, py::call_guard<py::gil_scoped_release>());
   m.def("window_merge", &tkv::window_merge, py::call_guard<py::gil_scoped_release>());
   m.def("amx_prefill", &tkv::amx_prefill, py::call_guard<py::gil_scoped_release>());
-  m.def("amx_ready", &tkv::amx_ready, "whether the AMX prefill-chunk attention runs here (CPU and OS)");
+  m.def("amx_ready", &tkv::amx_ready, "whether the AMX prefill-chunk attention runs here (tiles, or emulated)");
+  m.def("amx_tiles", &tkv::amx_tiles, "whether this CPU has AMX tiles and the OS granted them");
+  m.def("amx_emulated", &tkv::amx_emulated, "whether the AMX kernels run emulated in AVX512-BF16");
+  m.def("set_amx_emulated", &tkv::set_amx_emulated, "run the AMX kernels emulated in AVX512-BF16 (tests)");
   m.def("bf16_dot", &tkv::bf16_dot, "whether prefill_attention takes bf16 scores here (avx512 + AVX512_BF16)");
   m.attr("TILE") = tkv::TILE;  // the prefill kernel's key tiles
   m.attr("DECODE_TILE") = tkv::DTILE;
   // bumped whenever an op's arguments change: ops/cpu.py refuses (and says so) a stale build
-  m.attr("ABI_VERSION") = 20;
+  m.attr("ABI_VERSION") = 21;
 }

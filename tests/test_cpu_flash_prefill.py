@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.cpu_cases import _prefill_dense, make_cache
+from vllm_temporalkv.cpu_isa import cpu_flags
 from vllm_temporalkv.ops import cpu, cpu_flash, paged_torch
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C++ extension (the served path) is not built")
@@ -182,6 +183,25 @@ def test_fused_flash_chunk_is_the_python_composition(gqa, monkeypatch):
     assert torch.equal(runs[0][0], runs[1][0])
 
 
+@pytest.fixture(params=["tiles", "emulated"])
+def amx(request):
+    """The AMX kernels' tests run on the tiles where the CPU has them, and emulated (csrc/amx_emulate.h: the same
+    code, each tile instruction in AVX512-BF16) wherever the CPU has AVX512-BF16 - so the code that serves on AMX
+    Xeons is tested on the machines without tiles too."""
+    if request.param == "tiles":
+        if not cpu._C.amx_tiles():
+            pytest.skip("no AMX tiles here (CPU or OS); the emulated run tests the same code")
+        yield "tiles"
+        return
+    if "avx512_bf16" not in cpu_flags():
+        pytest.skip("emulating AMX tiles needs AVX512-BF16")
+    cpu.set_amx_emulated(True)
+    try:
+        yield "emulated"
+    finally:
+        cpu.set_amx_emulated(False)
+
+
 def _amx_runs(H, G, D, n, seed, cuts, switch, monkeypatch, fmt="temporalkv-2bit", window=None, bs=16):
     """A prompt of n tokens served through ops.cpu.forward at the cuts, by the C++ kernel, by the flash path with
     the AMX kernel named by ``switch`` (ops.cpu.AMX_SHORT / AMX_LONG; the other one off) off, and with it on:
@@ -213,9 +233,8 @@ def _amx_runs(H, G, D, n, seed, cuts, switch, monkeypatch, fmt="temporalkv-2bit"
     return runs
 
 
-@pytest.mark.skipif(not (cpu.available() and cpu._C.amx_ready()), reason="no AMX tiles here (CPU or OS)")
 @pytest.mark.parametrize("H,G,D", [(3, 3, 64), (2, 4, 128), (1, 1, 96)])
-def test_amx_short_chunks_match_the_kernel(H, G, D, monkeypatch):
+def test_amx_short_chunks_match_the_kernel(H, G, D, amx, monkeypatch):
     """The short chunks of the flash path on AMX tiles (csrc/amx_attention.h: a prefix-cache hit's new tokens):
     served through ops.cpu.forward, chunk by chunk - at block boundaries and off them, 1 to 60 queries, over
     contexts of 8 to ~1000 (so the own-block rule, the folded query heads and the padded key and row tiles all
@@ -231,9 +250,8 @@ def test_amx_short_chunks_match_the_kernel(H, G, D, monkeypatch):
     assert not torch.equal(got[8:], flash[8:])
 
 
-@pytest.mark.skipif(not (cpu.available() and cpu._C.amx_ready()), reason="no AMX tiles here (CPU or OS)")
 @pytest.mark.parametrize("H,G,D", [(3, 3, 64), (2, 4, 128), (1, 1, 96)])
-def test_amx_long_chunks_match_the_kernel(H, G, D, monkeypatch):
+def test_amx_long_chunks_match_the_kernel(H, G, D, amx, monkeypatch):
     """The long chunks of the flash path on AMX tiles (csrc/amx_attention.h long_panel: a prompt's prefill chunks,
     flash-style over 256-key blocks with an online softmax): a 2001-token prompt served through ops.cpu.forward in
     chunks too long for one masked call - the first at position 0 (queries inside the sinks), one starting inside
@@ -250,10 +268,9 @@ def test_amx_long_chunks_match_the_kernel(H, G, D, monkeypatch):
         assert not torch.equal(got[a:b], flash[a:b]), (a, b)
 
 
-@pytest.mark.skipif(not (cpu.available() and cpu._C.amx_ready()), reason="no AMX tiles here (CPU or OS)")
 @pytest.mark.parametrize("fmt,window,D", [("temporalkv-2bit", 32, 64), ("selective-int4", None, 128),
                                           ("tada-4bit", None, 64), ("qjl", None, 96)])
-def test_amx_serves_recent_windows(fmt, window, D, monkeypatch):
+def test_amx_serves_recent_windows(fmt, window, D, amx, monkeypatch):
     """Chunks whose write and gather run in Python and would attend on flash (a recent window: the codebook formats'
     option, the calibration-free formats' default of 128) on the AMX long-chunk kernel instead (_C.amx_prefill, each
     query exact from its window's start): a 1500-token prompt in chunks of 3 to ~700 queries, inside the sinks, inside
@@ -265,6 +282,39 @@ def test_amx_serves_recent_windows(fmt, window, D, monkeypatch):
     got, flash = runs["flash", True][0], runs["flash", False][0]
     for a, b in zip(cuts[1:], cuts[2:]):
         assert not torch.equal(got[a:b], flash[a:b]), (a, b)
+
+
+def test_amx_emulation_is_the_tiles(monkeypatch):
+    """On a CPU with tiles: the emulation (csrc/amx_emulate.h) serves a prompt's short and long chunks with the
+    tiles' outputs up to the rounding of their float32 sums (one bf16 step at most, almost every element equal), so
+    the emulated runs of the tests above speak for the tiles on the machines without them."""
+    if not cpu._C.amx_tiles():
+        pytest.skip("no AMX tiles here (CPU or OS) to hold the emulation against")
+    H, G, D, n, bs = 2, 3, 64, 1200, 16
+    lc = make_cache("temporalkv-2bit", D, True, torch.bfloat16, 1, block_size=bs, H=H, GQ=G)
+    g = torch.Generator().manual_seed(9)
+    k, v = torch.randn(n, H, D, generator=g).bfloat16(), torch.randn(n, H, D, generator=g).bfloat16()
+    q = torch.randn(n, H * G, D, generator=g).bfloat16()
+    table = torch.randperm(n // bs + 1, generator=g)
+    cuts = [0, 700, 720, 761, n]  # long, short, short, long
+    monkeypatch.setattr(cpu, "PREFILL", "flash")
+    outs = []
+    for emulated in (False, True):
+        cpu.set_amx_emulated(emulated)
+        try:
+            pages = torch.zeros(len(table), H, lc.layout.bytes, dtype=torch.uint8)
+            out = torch.empty(n, H * G, D, dtype=torch.bfloat16)
+            for a, b in zip(cuts, cuts[1:]):
+                pos = torch.arange(a, b)
+                out[a:b] = cpu.forward(lc, pages, q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]),
+                                       torch.tensor([b]), table[None], pos, table[pos // bs], D ** -0.5,
+                                       batch_invariant=False)
+        finally:
+            cpu.set_amx_emulated(False)
+        outs.append(out.float())
+    tiles, emulated = outs
+    assert ((emulated - tiles).abs() <= 2 ** -7 * tiles.abs() + 1e-6).all()
+    assert (emulated == tiles).float().mean().item() >= 0.95
 
 
 def test_auto_selects_flash_for_bf16_on_amx_only(monkeypatch):

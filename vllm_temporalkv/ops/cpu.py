@@ -46,6 +46,8 @@ for a bf16 model on a CPU with AMX unless VLLM_TEMPORALKV_CPU_EXACT=1 (``use_fla
 flash and the merge instead of the AMX tile kernel (csrc/amx_attention.h) where the flash path serves;
 ``VLLM_TEMPORALKV_CPU_AMX_LONG=0`` likewise a long chunk (a prompt's prefill chunks: the flash-style tile kernel), and
 every chunk of a recent window's formats (``amx_prefill_ok``), which the same kernel serves.
+``VLLM_TEMPORALKV_CPU_AMX_EMULATE=1`` runs those tile kernels emulated in AVX512-BF16 (csrc/amx_emulate.h;
+``set_amx_emulated``): for testing them on a CPU without tiles - slower than the C++ kernel, never a default.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ from .cpu_flash import _flash_gqa, flash_prefill, register_window_merge, short_m
 
 logger = logging.getLogger("vllm.temporalkv")
 
-ABI_VERSION = 20  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
+ABI_VERSION = 21  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
 # split-K: every request's context is cut at the same tile boundaries whatever the batch, so its output does
 # not depend on which requests share the step (a batch-dependent split count changed float32 rounding, and a
 # 2-bit cache amplifies that through the codes of later tokens: benchmarks/stress.py).  Long splits cost less
@@ -101,7 +103,8 @@ def _jit_load():
     if not src.is_dir():
         raise ImportError(f"no csrc/ next to the package ({src})")
     x86 = platform.machine().lower() in ("x86_64", "amd64", "i686")
-    units = ["ops.cpp", "isa_scalar.cpp"] + (["isa_avx2.cpp", "isa_avx512.cpp", "isa_amx.cpp"] if x86 else [])  # setup.py's
+    units = ["ops.cpp", "isa_scalar.cpp"] + (["isa_avx2.cpp", "isa_avx512.cpp", "isa_amx.cpp", "isa_amx_emu.cpp"]
+                                             if x86 else [])  # setup.py's
     return load(name="vllm_temporalkv_C_cpu", sources=[str(src / u) for u in units],
                 extra_include_paths=[str(src)],
                 extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
@@ -162,6 +165,18 @@ def gathers() -> bool | None:
 def set_gathers(on: bool) -> None:
     """Force the AVX-512 decode's code reads (tests): vpgather (True) or scalar loads (False); the same values."""
     _C.set_gathers(bool(on))
+
+
+def amx_emulated() -> bool | None:
+    """Whether the AMX tile kernels run emulated in AVX512-BF16 (csrc/amx_emulate.h; tests on CPUs without tiles,
+    or VLLM_TEMPORALKV_CPU_AMX_EMULATE=1), None without the extension."""
+    return bool(_C.amx_emulated()) if _C is not None else None
+
+
+def set_amx_emulated(on: bool) -> None:
+    """Run the AMX tile kernels emulated (True) - the same code, each tile instruction in AVX512-BF16, so that they
+    run and are tested where the CPU has no tiles - or on the tiles (False).  Refused without AVX512-BF16."""
+    _C.set_amx_emulated(bool(on))
 
 
 def supported_isas() -> list[str]:
