@@ -10,9 +10,10 @@
 //   keys: the decoded rows [0, nd) then the exact rows [0, nx) (positions x0 ..), packed once per head into B tiles
 //   (16 keys x 32 dims, dim pairs interleaved as tdpbf16ps reads them); values packed per 32 keys x 16 dims;
 //   per 16 rows: the scores of every key (one tile product per 16 keys and 32 dims), masked by each row's rule and
-//   softmaxed in float32, the weights rounded to bf16, then the weighted values (one tile product per 32 keys and
-//   16 dims), divided by the row's float32 sum.  Same rounding points as the flash path (bf16 weights into a bf16
-//   GEMM, float32 sums); not bit-identical to it, or chunk-invariant (the flash path is neither).
+//   softmaxed in float32 (in powers of 2: exp2_16), the weights rounded to bf16, then the weighted values (one
+//   tile product per 32 keys and 16 dims), divided by the row's float32 sum.  Same rounding points as the flash
+//   path (bf16 weights into a bf16 GEMM, float32 sums); not bit-identical to it, or chunk-invariant (the flash
+//   path is neither).
 
 #pragma once
 
@@ -54,27 +55,8 @@ inline void configure() {  // every tile: 16 rows x 64 bytes (C: 16 floats, A / 
   _tile_loadconfig(&c);
 }
 
-// exp for the softmax (the Cephes polynomial of kernels_impl.h's vexp; inputs <= 0, clamped at -87)
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
-  const __m512 tf = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fmadd_ps(tf, _mm512_set1_ps(-0.693359375f), x);
-  r = _mm512_fmadd_ps(tf, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(tf), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
-
-// 2^x for the long kernel's softmax (x <= 0, in the log2 domain: the scale times log2(e) folded into one FMA):
-// 2^floor(x) by scalef, 2^frac(x) by a degree-5 fit (relative error 8e-8) - 8 vector ops against exp16's 16.
+// 2^x for the softmax (x <= 0, in the log2 domain: the scale times log2(e) folded into one FMA): 2^floor(x) by
+// scalef, 2^frac(x) by a degree-5 fit (relative error 8e-8) - 8 vector ops against the Cephes exp's 16.
 inline __m512 exp2_16(__m512 x) {  // (finite x: scalef takes any exponent, 2^-300 is 0)
   const __m512 xf = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, xf);
@@ -161,7 +143,8 @@ inline void chunk_head(const ChunkArgs& a, int h) {
   const int64_t lds = (int64_t)nk16 * 16, ldp = (int64_t)nk32 * 32;
   alignas(64) float O[2 * 16 * 16];
   float inv[16];
-  const __m512 sc = _mm512_set1_ps(a.scale);
+  const float c2 = a.scale * 1.44269504088896341f;  // scores to the log2 domain (exp2_16)
+  const __m512 sc = _mm512_set1_ps(c2);
   for (int r0 = 0; r0 < R; r0 += 16) {
     // scores for rows r0 ..: the rows' A tiles (tmm0 .. dc - 1) loaded once, two key blocks at a time (C: tmm4 / 5,
     // B: tmm6 / 7) so that one block's products overlap the other's (one accumulator's chain is latency-bound)
@@ -208,12 +191,12 @@ inline void chunk_head(const ChunkArgs& a, int h) {
           const __mmask16 mk = (__mmask16)(g2[1] - k0 >= 16 ? 0xffff : (1u << (g2[1] - k0)) - 1);
           mx = _mm512_mask_max_ps(mx, mk, mx, _mm512_maskz_loadu_ps(mk, s + k0));
         }
-      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * a.scale);
+      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * c2);
       __m512 sum = _mm512_setzero_ps();
       for (const auto& g2 : rng)
         for (int64_t k0 = g2[0]; k0 < g2[1]; k0 += 16) {
           const __mmask16 mk = (__mmask16)(g2[1] - k0 >= 16 ? 0xffff : (1u << (g2[1] - k0)) - 1);
-          const __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(mk, s + k0), sc, m)));
+          const __m512 e = _mm512_maskz_mov_ps(mk, exp2_16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(mk, s + k0), sc, m)));
           sum = _mm512_add_ps(sum, e);
           const __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
           _mm256_mask_storeu_epi16(pr + k0, mk, eb);
