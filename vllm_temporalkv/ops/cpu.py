@@ -47,7 +47,8 @@ flash and the merge instead of the AMX tile kernel (csrc/amx_attention.h) where 
 ``VLLM_TEMPORALKV_CPU_AMX_LONG=0`` likewise a long chunk (a prompt's prefill chunks: the flash-style tile kernel), and
 every chunk of a recent window's formats (``amx_prefill_ok``), which the same kernel serves.
 ``VLLM_TEMPORALKV_CPU_AMX_EMULATE=1`` runs those tile kernels emulated in AVX512-BF16 (csrc/amx_emulate.h;
-``set_amx_emulated``): for testing them on a CPU without tiles - slower than the C++ kernel, never a default.
+``set_amx_emulated``) where the flash path serves (``VLLM_TEMPORALKV_CPU_PREFILL=flash`` on a CPU without tiles): for
+testing them there - slower than the C++ kernel, never a default.
 """
 
 from __future__ import annotations
