@@ -317,6 +317,28 @@ def test_amx_emulation_is_the_tiles(monkeypatch):
     assert (emulated == tiles).float().mean().item() >= 0.95
 
 
+def test_the_server_log_names_where_prefill_attends(amx, monkeypatch):
+    """ops.select's name for the C++ path (the server logs it once) says where a prefill chunk attends: nothing
+    added for the C++ kernel; AMX tiles (emulated, where they are) where the flash path serves a layer they take;
+    torch's flash kernel for what they do not (float32, a head dim over 128) or where switched off."""
+    from vllm_temporalkv import ops
+
+    name = lambda lc: ops.select(lc, torch.device("cpu"))[1]
+    bf, f32, odd = (make_cache("temporalkv-2bit", D, True, dt, 1) for D, dt in
+                    [(64, torch.bfloat16), (64, torch.float32), (160, torch.bfloat16)])
+    tiles = "emulated AMX tiles" if amx == "emulated" else "AMX tiles"
+    monkeypatch.setattr(cpu, "PREFILL", "kernel")
+    assert name(bf) == f"C++ ({cpu.isa()})"
+    monkeypatch.setattr(cpu, "PREFILL", "flash")
+    assert name(bf) == f"C++ ({cpu.isa()}; prefill attention on {tiles})"
+    assert name(f32).endswith("; prefill attention on torch's flash kernel)")
+    assert name(odd).endswith("; prefill attention on torch's flash kernel)")
+    monkeypatch.setattr(cpu, "AMX_LONG", False)
+    assert name(bf).endswith(f"on {tiles}, long chunks on torch's flash kernel)")
+    monkeypatch.setattr(cpu, "AMX_SHORT", False)
+    assert name(bf).endswith("; prefill attention on torch's flash kernel)")
+
+
 def test_auto_selects_flash_for_bf16_on_amx_only(monkeypatch):
     """The auto setting: a bf16 model on an AMX CPU, not with VLLM_TEMPORALKV_CPU_EXACT=1; flash / kernel as
     forced; a bad value of the variable is refused at import with the fix named."""

@@ -67,8 +67,8 @@ def select(lc, device) -> tuple[ModuleType, str]:
         from . import cpu
 
         if cpu.supports(lc):
-            flash = "; prefill attention on torch's flash kernel" if cpu.use_flash_prefill(lc.dtype) else ""
-            return cpu, f"C++ ({cpu.isa()}{flash})"
+            route = cpu.prefill_route(lc)
+            return cpu, f"C++ ({cpu.isa()}{'; ' + route if route else ''})"
         if not cpu.available():
             why = "extension not loaded"
         elif lc.kernel_blocker:

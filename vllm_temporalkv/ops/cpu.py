@@ -760,6 +760,20 @@ def use_flash_prefill(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and not EXACT and _cpu_class() == "amx"
 
 
+def prefill_route(lc) -> str:
+    """Where a served prefill chunk's attention runs, for the server log: '' on the C++ kernel (the path's own);
+    where the flash path serves (``use_flash_prefill``), on AMX tiles (csrc/amx_attention.h; 'emulated' after
+    ``set_amx_emulated``) where they take the layer - bf16, head dims 32 .. 128 by 32 - else torch's flash kernel."""
+    if not use_flash_prefill(lc.dtype):
+        return ""
+    D = lc.layout.head_dim
+    if (AMX_LONG or AMX_SHORT) and lc.dtype == torch.bfloat16 and D % 32 == 0 and D <= 128 and _C.amx_ready():
+        tiles = "emulated AMX tiles" if _C.amx_emulated() else "AMX tiles"
+        rest = "" if AMX_LONG and AMX_SHORT else f", {'short' if AMX_LONG else 'long'} chunks on torch's flash kernel"
+        return f"prefill attention on {tiles}{rest}"
+    return "prefill attention on torch's flash kernel"
+
+
 _CLASS: tuple = (None, None)  # (cpu_class, its answer): asked by every served prefill chunk's layer
 
 
