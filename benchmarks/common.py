@@ -51,12 +51,15 @@ def cpu_model() -> str | None:
 
 def run_record() -> dict:
     """Command line, machine and time of this run, stored next to every result (a benchmark that is a package runs
-    as ``python -m benchmarks.X``: its ``__main__`` module is not named)."""
+    as ``python -m benchmarks.X``: its ``__main__`` module is not named).  The command starts with the plugin's
+    VLLM_TEMPORALKV_* variables set in the environment: they pick kernels and paths (the servers a benchmark starts
+    inherit them), so a figure without them would not say what was measured."""
     main = __import__("__main__")
+    cmd = ("python -m " + main.__spec__.name.removesuffix(".__main__") + " " + shlex.join(sys.argv[1:])
+           if getattr(main, "__spec__", None) else shlex.join(sys.argv))
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("VLLM_TEMPORALKV_")]
     return {
-        "command": "python -m " + main.__spec__.name.removesuffix(".__main__") + " " + shlex.join(sys.argv[1:])
-        if getattr(main, "__spec__", None)
-        else shlex.join(sys.argv),
+        "command": " ".join(env + [cmd]),
         "machine": machine(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

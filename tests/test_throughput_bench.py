@@ -137,3 +137,19 @@ def test_error_line_says_a_run_timed_out_and_how_far_it_got():
     assert r[0] == "timed out after 180 s; last output: INFO loading weights"
     assert r[1] == "timed out after 5 s; last output: (no output)"
     assert r[2] == "ValueError: Free memory on device"
+
+
+RECORD = """import json, os, sys
+for k in [k for k in os.environ if k.startswith("VLLM_TEMPORALKV_")]:
+    del os.environ[k]
+os.environ.update({"VLLM_TEMPORALKV_CPU_PREFILL": "flash", "VLLM_TEMPORALKV_CPU_AMX_EMULATE": "1", "VLLMX": "0"})
+from benchmarks.common import run_record
+print(json.dumps(run_record()["command"]))"""
+
+
+def test_a_run_record_names_the_plugin_variables_it_ran_under():
+    """Every result's recorded command starts with the VLLM_TEMPORALKV_* variables set (they pick kernels and paths
+    for the benchmark and the servers it starts), sorted, quoted as a shell reads them, then the command line."""
+    cmd = bench_call(RECORD, "--formats", "a b")
+    assert cmd.startswith("VLLM_TEMPORALKV_CPU_AMX_EMULATE=1 VLLM_TEMPORALKV_CPU_PREFILL=flash "), cmd
+    assert cmd.endswith(" --formats 'a b'") and "VLLMX" not in cmd, cmd
