@@ -286,8 +286,10 @@ def test_amx_serves_recent_windows(fmt, window, D, amx, monkeypatch):
 
 def test_amx_emulation_is_the_tiles(monkeypatch):
     """On a CPU with tiles: the emulation (csrc/amx_emulate.h) serves a prompt's short and long chunks with the
-    tiles' outputs up to the rounding of their float32 sums (one bf16 step at most, almost every element equal), so
-    the emulated runs of the tests above speak for the tiles on the machines without them."""
+    tiles' outputs up to the order of their float32 sums (almost every element equal; else one bf16 step, or 2^-10
+    of the largest output where a score's last bit moves a softmax weight's bf16 rounding under an output near 0 -
+    a misread tile layout is off by O(1)), so the emulated runs of the tests above speak for the tiles on the
+    machines without them."""
     if not cpu._C.amx_tiles():
         pytest.skip("no AMX tiles here (CPU or OS) to hold the emulation against")
     H, G, D, n, bs = 2, 3, 64, 1200, 16
@@ -313,7 +315,7 @@ def test_amx_emulation_is_the_tiles(monkeypatch):
             cpu.set_amx_emulated(False)
         outs.append(out.float())
     tiles, emulated = outs
-    assert ((emulated - tiles).abs() <= 2 ** -7 * tiles.abs() + 1e-6).all()
+    assert ((emulated - tiles).abs() <= 2 ** -7 * tiles.abs() + 2 ** -10 * tiles.abs().max()).all()
     assert (emulated == tiles).float().mean().item() >= 0.95
 
 
