@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import headline_bytes
+
 # find_spec, not importorskip: importing triton here (collected before test_triton_kernels.py) would
 # build its standard library as compiled JITFunctions before TRITON_INTERPRET is set for that module
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[1]
-HEADLINE = ROOT / "benchmarks" / "results" / "headline.json"
 
 
 def test_kernels_smoke(tmp_path):
@@ -29,7 +30,7 @@ def test_kernels_smoke(tmp_path):
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"  # main() sets it too; the interpreter is the point here
         env.setdefault("OMP_NUM_THREADS", "1")  # tiny tensors: threads only add contention
-    before = HEADLINE.read_bytes() if HEADLINE.is_file() else None
+    before = headline_bytes()
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "benchmarks.kernels", "--smoke", "--out", str(out)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -49,7 +50,7 @@ def test_kernels_smoke(tmp_path):
 
     # no headline anywhere: not next to the results, not in benchmarks/results
     assert not (out / "headline.json").exists()
-    assert (HEADLINE.read_bytes() if HEADLINE.is_file() else None) == before
+    assert headline_bytes() == before
 
 
 def test_kernels_needs_gpu_without_smoke():

@@ -12,14 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import headline_bytes
+
 ROOT = Path(__file__).resolve().parents[1]
-HEADLINE = ROOT / "benchmarks" / "results" / "headline.json"
 
 
 def test_kernels_cpu_smoke(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.setdefault("OMP_NUM_THREADS", "1")  # tiny tensors: threads only add contention
-    before = HEADLINE.read_bytes() if HEADLINE.is_file() else None
+    before = headline_bytes()
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "benchmarks.kernels_cpu", "--smoke", "--out", str(out)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -62,7 +63,7 @@ def test_kernels_cpu_smoke(tmp_path):
 
     # no headline anywhere: not next to the results, not in benchmarks/results
     assert not (out / "headline.json").exists()
-    assert (HEADLINE.read_bytes() if HEADLINE.is_file() else None) == before
+    assert headline_bytes() == before
 
 
 def test_kernels_cpu_smoke_calibration_free_formats(tmp_path):
@@ -122,7 +123,7 @@ def test_batch_variance_measures_vllm_gemms(tmp_path):
     """benchmarks.batch_variance (the measurement behind the concurrency tests' float32): it builds the
     projections through vLLM's own CPU dispatch and compares a row alone with the same row in batches; a batch of
     one row is the row alone (the comparison is sound), the machine is named, and nothing reaches the headline."""
-    before = HEADLINE.read_bytes() if HEADLINE.is_file() else None
+    before = headline_bytes()
     r = subprocess.run([sys.executable, "-m", "benchmarks.batch_variance", "--rows", "1", "5", "--out", str(tmp_path),
                         "--no-headline"], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
                        text=True, timeout=300)
@@ -135,4 +136,4 @@ def test_batch_variance_measures_vllm_gemms(tmp_path):
             one = proj["per_m"]["1"]
             assert one["rows_changed"] == 0 and one["max_rel_diff"] == 0.0, proj
             assert proj["per_m"]["5"]["rows"] == 5
-    assert (HEADLINE.read_bytes() if HEADLINE.is_file() else None) == before
+    assert headline_bytes() == before

@@ -5,15 +5,14 @@ import json
 
 import pytest
 
-from tests.helpers import ROOT, run_bench
+from tests.helpers import headline_bytes, run_bench
 
-HEADLINE = ROOT / "benchmarks" / "results" / "headline.json"
 
 
 def test_smoke_run(tmp_path, tiny_artifact):
     pytest.importorskip("vllm")
     pytest.importorskip("openai")
-    before = HEADLINE.read_bytes() if HEADLINE.is_file() else None
+    before = headline_bytes()
     out = tmp_path / "out"
     run_bench("benchmarks.prefix", "--smoke", "--artifact", tiny_artifact, "--out", out, timeout=900)
     rep = json.loads((out / "prefix.json").read_text())
@@ -39,4 +38,4 @@ def test_smoke_run(tmp_path, tiny_artifact):
     assert ours["kv_capacity_tokens"] > 5 * auto["kv_capacity_tokens"]
     assert rep["headline"] is None
     assert (out / "prefix.md").is_file() and (out / "prefix.png").is_file()
-    assert (HEADLINE.read_bytes() if HEADLINE.is_file() else None) == before  # --smoke never touches the headline
+    assert headline_bytes() == before  # --smoke never touches the headline

@@ -8,9 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.helpers import ROOT, bench_call, run_bench
+from tests.helpers import bench_call, headline_bytes, run_bench
 
-HEADLINE = ROOT / "benchmarks" / "results" / "headline.json"
 
 SUITES = """import json, sys
 from dataclasses import asdict
@@ -102,7 +101,7 @@ def test_runner_end_to_end(tmp_path, smollm2_dir, tiny_artifact, suites):
     file untouched (a non-default --out)."""
     pytest.importorskip("vllm")
     pytest.importorskip("openai")
-    before = HEADLINE.read_bytes() if HEADLINE.is_file() else None
+    before = headline_bytes()
     out = tmp_path / "out"
     run_bench("benchmarks.retrieval", "--formats", "auto", "temporalkv-2bit", "temporalkv-2bit-o1", "kvquant-9bit",
               "--artifact", tiny_artifact, "--tasks", "niah_single", "vt", "--lengths", "1024", "--samples", "2",
@@ -127,7 +126,7 @@ def test_runner_end_to_end(tmp_path, smollm2_dir, tiny_artifact, suites):
               "niah_single", "vt", "--lengths", "1024", "--samples", "2", "--resume", "--out", out)
     again = json.loads((out / "retrieval.json").read_text())
     assert again["formats"]["auto"]["records"] == rep["formats"]["auto"]["records"]
-    assert (HEADLINE.read_bytes() if HEADLINE.is_file() else None) == before
+    assert headline_bytes() == before
 
 
 RESUME = """import json, shutil, sys

@@ -7,15 +7,14 @@ import math
 
 import pytest
 
-from tests.helpers import ROOT, run_bench
+from tests.helpers import headline_bytes, run_bench
 
-HEADLINE = ROOT / "benchmarks" / "results" / "headline.json"
 
 
 def test_smoke_run(tmp_path, tiny_artifact):
     pytest.importorskip("vllm")
     pytest.importorskip("openai")
-    before = HEADLINE.read_bytes() if HEADLINE.is_file() else None
+    before = headline_bytes()
     out = tmp_path / "out"
     run_bench("benchmarks.served_ppl", "--smoke", "--artifact", tiny_artifact, "--out", out, timeout=1200)
     rep = json.loads((out / "served-ppl.json").read_text())
@@ -36,7 +35,7 @@ def test_smoke_run(tmp_path, tiny_artifact):
     assert ours["reference_nll"] > auto["reference_nll"]
     assert rep["headline"] is None
     assert (out / "served-ppl.md").is_file() and (out / "served-ppl.png").is_file()
-    assert (HEADLINE.read_bytes() if HEADLINE.is_file() else None) == before  # --smoke never touches the headline
+    assert headline_bytes() == before  # --smoke never touches the headline
     # run again with the same settings: nothing measured again (no server: the figures as they were, from the
     # windows' sums kept in the report)
     r = run_bench("benchmarks.served_ppl", "--smoke", "--artifact", tiny_artifact, "--out", out, timeout=600)

@@ -8,10 +8,9 @@ import re
 
 import pytest
 
-from tests.helpers import ROOT, bench_call, run_bench
+from tests.helpers import bench_call, headline_bytes, run_bench
 from vllm_temporalkv.cache import model_quantizers
 
-HEADLINE = ROOT / "benchmarks" / "results" / "headline.json"
 
 SHAPES = """import argparse, json
 from benchmarks.throughput import max_model_len, parse_shape
@@ -33,7 +32,7 @@ def test_parse_shape():
 
 def test_runner_end_to_end(tmp_path, tiny_artifact):
     pytest.importorskip("vllm")
-    before = HEADLINE.read_bytes() if HEADLINE.is_file() else None
+    before = headline_bytes()
     out = tmp_path / "out"
     run_bench("benchmarks.throughput", "--formats", "auto", "temporalkv-2bit", "--artifact", tiny_artifact, "--shapes",
               "64-8:4", "--serve-prompts", "4", "--concurrency", "2", "--enforce-eager", "--kv-space-gib", "1",
@@ -59,7 +58,7 @@ def test_runner_end_to_end(tmp_path, tiny_artifact):
     # the KV capacity parsed from vLLM's own log: the 2-bit cache holds several times more tokens
     assert off["temporalkv-2bit"]["kv_tokens"] > 5 * off["auto"]["kv_tokens"]
     assert (out / "throughput.md").is_file() and (out / "throughput.png").is_file()
-    assert (HEADLINE.read_bytes() if HEADLINE.is_file() else None) == before
+    assert headline_bytes() == before
 
 
 def test_synthetic_artifact_fits_a_dummy_weight_model(tmp_path):
