@@ -741,13 +741,17 @@ def _prefill(lc, pages, q, k, v, positions, page_ids, table, n: int, scale: floa
         prefill_attention(q, kg, vg, kx, vx, x, ctx, scale, out, window=w)
 
 
+def _amx_takes(dtype: torch.dtype, D: int) -> bool:
+    """Whether the AMX tile kernels (csrc/amx_attention.h) take a layer: bf16, head dims 32 .. 128 by 32, tiles
+    granted or emulated (``_C.amx_ready``)."""
+    return dtype == torch.bfloat16 and D % 32 == 0 and D <= 128 and _C.amx_ready()
+
+
 def amx_prefill_ok(q: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether a chunk that would attend on flash in Python (``flash_prefill``: recent windows, formats the fused
     C++ call does not encode) attends on the AMX long-chunk kernel instead (``_C.amx_prefill``): ``AMX_LONG``
     (VLLM_TEMPORALKV_CPU_AMX_LONG), bf16, head dims 32 .. 128 by 32, AMX tiles granted (``_C.amx_ready``)."""
-    D = q.shape[-1]
-    return (AMX_LONG and q.dtype == torch.bfloat16 and D % 32 == 0 and D <= 128 and q.stride(-1) == 1
-            and out.stride(-1) == 1 and _C.amx_ready())
+    return AMX_LONG and q.stride(-1) == 1 and out.stride(-1) == 1 and _amx_takes(q.dtype, q.shape[-1])
 
 
 def use_flash_prefill(dtype: torch.dtype) -> bool:
@@ -766,8 +770,7 @@ def prefill_route(lc) -> str:
     ``set_amx_emulated``) where they take the layer - bf16, head dims 32 .. 128 by 32 - else torch's flash kernel."""
     if not use_flash_prefill(lc.dtype):
         return ""
-    D = lc.layout.head_dim
-    if (AMX_LONG or AMX_SHORT) and lc.dtype == torch.bfloat16 and D % 32 == 0 and D <= 128 and _C.amx_ready():
+    if (AMX_LONG or AMX_SHORT) and _amx_takes(lc.dtype, lc.layout.head_dim):
         tiles = "emulated AMX tiles" if _C.amx_emulated() else "AMX tiles"
         rest = "" if AMX_LONG and AMX_SHORT else f", {'short' if AMX_LONG else 'long'} chunks on torch's flash kernel"
         return f"prefill attention on {tiles}{rest}"
