@@ -210,6 +210,29 @@ def test_isa_variants_write_identical_pages():
     assert all(torch.equal(results[0], r) for r in results[1:])
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] == 64 and not c[0].startswith(("kvquant", "selective",
+                                                                                         "tada", "qjl"))],
+                         ids=lambda c: f"{c[0]}-L{c[4]}")
+def test_a_long_chunk_writes_the_pages_short_calls_write(case):
+    """A call that encodes many blocks per head (a prompt's chunk: 37 here) searches the codebooks' float32 tables,
+    a few blocks' call their float16 copy (csrc/ops.cpp F32_TABLE_BLOCKS): the same pages bit for bit, and the torch
+    path's."""
+    fmt, D, outliers, dtype, layer = case
+    lc = make_cache(fmt, D, outliers, dtype, layer, H=2, block_size=64)
+    g = torch.Generator().manual_seed(11)
+    n = 300
+    k, v = torch.randn(n, 2, D, generator=g) * 2, torch.randn(n, 2, D, generator=g)
+    table = torch.tensor([4, 1, 3, 0, 2])
+    pos = torch.arange(n)
+    long_, short, ref = (torch.zeros(5, 2, lc.layout.bytes, dtype=torch.uint8) for _ in range(3))
+    cpu.write_kv(lc, long_, k, v, pos, table[pos // lc.block_size])
+    for a in range(0, n, 40):
+        p = pos[a:a + 40]
+        cpu.write_kv(lc, short, k[p], v[p], p, table[p // lc.block_size])
+        paged_torch.write_kv(lc, ref, k[p], v[p], p, table[p // lc.block_size])
+    assert torch.equal(long_, short) and torch.equal(long_, ref)
+
+
 # ---- decode attention ----------------------------------------------------------------------------
 
 
