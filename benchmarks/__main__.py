@@ -29,6 +29,7 @@ STEPS = {
     "retrieval": (["benchmarks.retrieval"], False),
     "kernels": (["benchmarks.kernels"], True),
     "kernels-cpu": (["benchmarks.kernels_cpu"], False),
+    "encode-cpu": (["benchmarks.encode_cpu"], False),
     "batch-variance": (["benchmarks.batch_variance"], False),
     "stress": (["benchmarks.stress"], False),
     "stress-parallel": (["benchmarks.stress", "--parallel", "pp2", "tp3"], False),

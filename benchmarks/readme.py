@@ -293,6 +293,8 @@ def render(h: dict) -> str:
     lines += cpu_kernels_table(h)
     lines += generic_table(h, "kernels", "Kernels", skip="kernels.cpu.")
     lines += generic_table(h, "throughput", "Throughput")
+    lines += generic_table(h, "encode", "A prompt's cache write, float32 ÷ float16 codebook tables (time; "
+                                        "benchmarks/results/encode-cpu-<cpu class>.md)")
     lines += generic_table(h, "prefix", "Prefix caching (N requests sharing a P-token prefix through the server: "
                                         "benchmarks/results/prefix.md; "
                                         "prefix-<name>.md for another machine, e.g. smollm2-cpu-amx)")

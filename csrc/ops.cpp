@@ -656,8 +656,14 @@ void put_row(const EncodeArgs& a, int64_t i, int64_t page, int64_t slot) {
   }
 }
 
-// blocks per KV head from which an encode searches float32 tables (encode_blocks): 256 tokens
-constexpr int64_t F32_TABLE_BLOCKS = 32;
+// blocks per KV head from which an encode searches float32 tables (encode_blocks): 256 tokens by default
+// (set_encode_f32_blocks: benchmarks/encode_cpu.py alternates both tables in one process)
+int64_t g_f32_table_blocks = 32;
+int64_t encode_f32_blocks() { return g_f32_table_blocks; }
+void set_encode_f32_blocks(int64_t blocks) {
+  TORCH_CHECK(blocks >= 0, "set_encode_f32_blocks: a block count >= 0 (0: always float32 tables), got ", blocks);
+  g_f32_table_blocks = blocks;
+}
 
 // Step 1 of a cache write: `blocks` (EncodeArgs::blocks, 5 ints each) encoded in parallel, each reading its ring
 // rows before step 2 (the caller's exact writes, put_row) may reuse their slots
@@ -680,7 +686,7 @@ void encode_blocks(EncodeArgs& a, const at::Tensor& pages, const at::Tensor& kh,
   // on a 2-core AMD EPYC: 0.87-0.91x the float16 tables' time from 256 to 4096 tokens (146.9 -> 127.4 ms at 4096).
   // A few blocks (a decode step's, a prefix-cache hit's short chunk) keep half the bytes fetched from DRAM.
   const int64_t per_head = (int64_t)blocks.size() / 5;
-  if (per_head >= F32_TABLE_BLOCKS) a.k.centT16 = a.v.centT16 = nullptr;
+  if (per_head >= g_f32_table_blocks) a.k.centT16 = a.v.centT16 = nullptr;
   const Kernels* kern = g_kernels;
   parallel_heads(per_head, a.lay.H, [&](int64_t i) { kern->encode_item(a, i); }, [&](int64_t h) {
     prefetch_head(a.k, a.lay.D, h, true);
@@ -1287,6 +1293,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gathers", &tkv::gathers, "whether the AVX-512 decode reads channel codes with vpgather");
   m.def("set_gathers", &tkv::set_gathers, "force the AVX-512 decode's code reads: vpgather (true) or scalar loads");
   m.def("supported_isas", &tkv::supported_isas, "the variants this CPU can run");
+  m.def("encode_f32_blocks", &tkv::encode_f32_blocks, "blocks per KV head from which an encode reads float32 tables");
+  m.def("set_encode_f32_blocks", &tkv::set_encode_f32_blocks, "set it (0: always float32, a huge count: float16)");
   m.def("decode_attention", &tkv::decode_attention, py::call_guard<py::gil_scoped_release>());
   m.def("gather", &tkv::gather, py::call_guard<py::gil_scoped_release>());
   m.def("write_kv", &tkv::write_kv, py::call_guard<py::gil_scoped_release>());
@@ -1305,5 +1313,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("TILE") = tkv::TILE;  // the prefill kernel's key tiles
   m.attr("DECODE_TILE") = tkv::DTILE;
   // bumped whenever an op's arguments change: ops/cpu.py refuses (and says so) a stale build
-  m.attr("ABI_VERSION") = 21;
+  m.attr("ABI_VERSION") = 22;
 }

@@ -215,8 +215,8 @@ def test_isa_variants_write_identical_pages():
                          ids=lambda c: f"{c[0]}-L{c[4]}")
 def test_a_long_chunk_writes_the_pages_short_calls_write(case):
     """A call that encodes many blocks per head (a prompt's chunk: 37 here) searches the codebooks' float32 tables,
-    a few blocks' call their float16 copy (csrc/ops.cpp F32_TABLE_BLOCKS): the same pages bit for bit, and the torch
-    path's."""
+    a few blocks' call their float16 copy (ops.cpu.encode_f32_blocks, 32 by default): the same pages bit for bit
+    either way, forced both ways too, and the torch path's."""
     fmt, D, outliers, dtype, layer = case
     lc = make_cache(fmt, D, outliers, dtype, layer, H=2, block_size=64)
     g = torch.Generator().manual_seed(11)
@@ -224,13 +224,24 @@ def test_a_long_chunk_writes_the_pages_short_calls_write(case):
     k, v = torch.randn(n, 2, D, generator=g) * 2, torch.randn(n, 2, D, generator=g)
     table = torch.tensor([4, 1, 3, 0, 2])
     pos = torch.arange(n)
-    long_, short, ref = (torch.zeros(5, 2, lc.layout.bytes, dtype=torch.uint8) for _ in range(3))
-    cpu.write_kv(lc, long_, k, v, pos, table[pos // lc.block_size])
+    assert cpu.encode_f32_blocks() == 32
+    pages = {}
+    for name, blocks in (("default", 32), ("float32", 0), ("float16", 1 << 40)):
+        pages[name] = torch.zeros(5, 2, lc.layout.bytes, dtype=torch.uint8)
+        try:
+            cpu.set_encode_f32_blocks(blocks)
+            cpu.write_kv(lc, pages[name], k, v, pos, table[pos // lc.block_size])
+        finally:
+            cpu.set_encode_f32_blocks(32)
+    short, ref = (torch.zeros(5, 2, lc.layout.bytes, dtype=torch.uint8) for _ in range(2))
     for a in range(0, n, 40):
         p = pos[a:a + 40]
         cpu.write_kv(lc, short, k[p], v[p], p, table[p // lc.block_size])
         paged_torch.write_kv(lc, ref, k[p], v[p], p, table[p // lc.block_size])
-    assert torch.equal(long_, short) and torch.equal(long_, ref)
+    for name, got in pages.items():
+        assert torch.equal(got, short) and torch.equal(got, ref), name
+    with pytest.raises(RuntimeError, match="block count >= 0"):
+        cpu.set_encode_f32_blocks(-1)
 
 
 # ---- decode attention ----------------------------------------------------------------------------

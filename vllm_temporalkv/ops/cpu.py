@@ -71,7 +71,7 @@ from .cpu_flash import _flash_gqa, flash_prefill, register_window_merge, short_m
 
 logger = logging.getLogger("vllm.temporalkv")
 
-ABI_VERSION = 21  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
+ABI_VERSION = 22  # csrc/ops.cpp's ABI_VERSION this module's calls are written for
 # split-K: every request's context is cut at the same tile boundaries whatever the batch, so its output does
 # not depend on which requests share the step (a batch-dependent split count changed float32 rounding, and a
 # 2-bit cache amplifies that through the codes of later tokens: benchmarks/stress.py).  Long splits cost less
@@ -166,6 +166,17 @@ def gathers() -> bool | None:
 def set_gathers(on: bool) -> None:
     """Force the AVX-512 decode's code reads (tests): vpgather (True) or scalar loads (False); the same values."""
     _C.set_gathers(bool(on))
+
+
+def encode_f32_blocks() -> int | None:
+    """Blocks per KV head from which a C++ encode searches the codebooks' float32 tables instead of their float16
+    copy (csrc/ops.cpp encode_blocks; the same codes either way); None without the extension."""
+    return int(_C.encode_f32_blocks()) if _C is not None else None
+
+
+def set_encode_f32_blocks(blocks: int) -> None:
+    """Set it (0: always float32; a count above any call's blocks: always float16) - benchmarks/encode_cpu.py."""
+    _C.set_encode_f32_blocks(int(blocks))
 
 
 def amx_emulated() -> bool | None:
