@@ -136,6 +136,7 @@ struct EncodeArgs {
   // [E][5] the blocks to encode: first position, page, ring page (where rows not in this call's input wait: slot
   // ring0 + p % ring), input row of the first position (if it were in the input), first position in the input
   const int64_t* blocks;
+  int64_t nitems = 0;  // blocks x H (encode_item's items)
   int small = 0;       // small pages: ring slots from 0 (the exact pages'); else from TAIL0
   const float* cos;    // [P, D/2]
   const float* sin;
