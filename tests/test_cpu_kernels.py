@@ -244,6 +244,25 @@ def test_a_long_chunk_writes_the_pages_short_calls_write(case):
         cpu.set_encode_f32_blocks(-1)
 
 
+def test_write_undoes_a_scaled_rope_as_the_torch_path():
+    """A RoPE whose tables carry an attention scale (YaRN's: cos and sin times s, undone as a division by s^2) writes
+    the torch path's pages bit for bit - the C++ encode skips that division only where s is 1."""
+    lc = make_cache("temporalkv-2bit", 64, True, torch.bfloat16, 1, H=2, block_size=64)
+    lc.rope.scale = 1.25
+    g = torch.Generator().manual_seed(13)
+    n = 100
+    k, v = torch.randn(n, 2, 64, generator=g) * 2, torch.randn(n, 2, 64, generator=g)
+    pos = torch.arange(n)
+    table = torch.tensor([1, 0])
+    got, ref, unit = (torch.zeros(2, 2, lc.layout.bytes, dtype=torch.uint8) for _ in range(3))
+    cpu.write_kv(lc, got, k, v, pos, table[pos // 64])
+    paged_torch.write_kv(lc, ref, k, v, pos, table[pos // 64])
+    assert torch.equal(got, ref)
+    lc.rope.scale = 1.0  # (the same keys under another scale: other pages, so the scale was applied)
+    cpu.write_kv(lc, unit, k, v, pos, table[pos // 64])
+    assert not torch.equal(unit, got)
+
+
 # ---- decode attention ----------------------------------------------------------------------------
 
 
