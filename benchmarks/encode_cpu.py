@@ -105,7 +105,7 @@ def _spatial_groups(C: torch.Tensor, levels: int) -> list[torch.Tensor]:
     return groups
 
 
-def pruning_bound(model_dir: Path, art, layers: list[int], tokens: int) -> list[dict]:
+def pruning_bound(model_dir: Path, lcs, layers: list[int], tokens: int) -> list[dict]:
     """Per layer and K / V: how many of 16 centroid groups an exact search could not skip (mean, median, p90)."""
     from vllm_temporalkv.corpora import load_austen
     from vllm_temporalkv.hf_hooks import kv_output_hooks
@@ -118,7 +118,6 @@ def pruning_bound(model_dir: Path, art, layers: list[int], tokens: int) -> list[
     with kv_output_hooks(model, lambda i, kind, out: acts.__setitem__((i, kind), out[0].detach().float())), \
             torch.no_grad():
         model(ids)
-    lcs, _, _ = _caches(model_dir, art, None)
     rows = []
     for i in layers:
         for kind in "kv":
@@ -227,7 +226,7 @@ def main(argv=None) -> dict:
                smoke=a.smoke, run=run_record())
     rep["machine"] = rep["run"]["machine"]
     rep["tables"] = time_tables(lcs, H, D, a.tokens, a.reps)
-    rep["pruning"] = pruning_bound(model_dir, art, a.prune_layers, a.prune_tokens) if a.prune_layers else []
+    rep["pruning"] = pruning_bound(model_dir, lcs, a.prune_layers, a.prune_tokens) if a.prune_layers else []
     stem = f"encode-cpu-{cls}" if not a.smoke else "encode-cpu-smoke"
     write_json(out / f"{stem}.json", rep)
     (out / f"{stem}.md").write_text(markdown(rep))

@@ -682,8 +682,8 @@ void encode_blocks(EncodeArgs& a, const at::Tensor& pages, const at::Tensor& kh,
   // computed here, not per encode_args: most decode steps' writes complete no block
   if (a.k.method == QJL) a.k.smax = sketch_row_norm_max(a.k.cent, a.lay.D, a.k.chunk);
   // The search reads its codebook tables in float32 where a call encodes many blocks per head (a prompt's chunk):
-  // the same values without a conversion per table row - in-process, interleaved, cold caches, SmolLM2's 30 layers
-  // on a 2-core AMD EPYC: 0.87-0.91x the float16 tables' time from 256 to 4096 tokens (146.9 -> 127.4 ms at 4096).
+  // the same values without a conversion per table row - SmolLM2's 30 layers, both alternated in one process, cold
+  // tables, 2-core AMD EPYC: 0.83-0.90x the float16 tables' time from 256 to 4096 tokens (benchmarks/encode_cpu.py).
   // A few blocks (a decode step's, a prefix-cache hit's short chunk) keep half the bytes fetched from DRAM.
   const int64_t per_head = (int64_t)blocks.size() / 5;
   a.nitems = per_head * a.lay.H;

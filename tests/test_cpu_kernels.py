@@ -224,15 +224,16 @@ def test_a_long_chunk_writes_the_pages_short_calls_write(case):
     k, v = torch.randn(n, 2, D, generator=g) * 2, torch.randn(n, 2, D, generator=g)
     table = torch.tensor([4, 1, 3, 0, 2])
     pos = torch.arange(n)
-    assert cpu.encode_f32_blocks() == 32
+    default = cpu.encode_f32_blocks()
+    assert default == 32
     pages = {}
-    for name, blocks in (("default", 32), ("float32", 0), ("float16", 1 << 40)):
+    for name, blocks in (("default", default), ("float32", 0), ("float16", 1 << 40)):
         pages[name] = torch.zeros(5, 2, lc.layout.bytes, dtype=torch.uint8)
         try:
             cpu.set_encode_f32_blocks(blocks)
             cpu.write_kv(lc, pages[name], k, v, pos, table[pos // lc.block_size])
         finally:
-            cpu.set_encode_f32_blocks(32)
+            cpu.set_encode_f32_blocks(default)
     short, ref = (torch.zeros(5, 2, lc.layout.bytes, dtype=torch.uint8) for _ in range(2))
     for a in range(0, n, 40):
         p = pos[a:a + 40]
@@ -258,7 +259,8 @@ def test_write_undoes_a_scaled_rope_as_the_torch_path():
     cpu.write_kv(lc, got, k, v, pos, table[pos // 64])
     paged_torch.write_kv(lc, ref, k, v, pos, table[pos // 64])
     assert torch.equal(got, ref)
-    lc.rope.scale = 1.0  # (the same keys under another scale: other pages, so the scale was applied)
+    # s^2 = 1 with the same (cached, scaled) tables: other pages - the first write's division mattered
+    lc.rope.scale = 1.0
     cpu.write_kv(lc, unit, k, v, pos, table[pos // 64])
     assert not torch.equal(unit, got)
 
