@@ -5,11 +5,12 @@ copy, and how much of the search an exact pruning could skip.
     python -m benchmarks.encode_cpu --smoke    # a random artifact, 2 sizes, no model forward (tests)
 
 Timing: a served layer step writes every block a prompt's chunk completes before it attends, and on the AMX Xeon,
-where the attention runs on tiles, that write is a good part of a 4096-token prompt's step (README, "A prompt's
-encode").  Here each of the artifact's layers (temporalkv-2bit) is written in turn, as a served step writes them, with
-a 64 MiB read between calls (the tables cold, as the model's weights leave them), N tokens of random bf16 K/V, the
-float16 and the float32 tables alternated in one process (``ops.cpu.set_encode_f32_blocks``): per N the median of
---reps rounds of all layers, their ratio, and the pages compared bit for bit.
+where the attention runs on tiles, that write is a good part of a 4096-token prompt's step
+(benchmarks/results/cpu-speed-log.md, "A prompt's encode").  Here each of the artifact's layers (temporalkv-2bit) is
+written in turn, as a served step writes them, with a 64 MiB read between calls (the tables cold, as the model's
+weights leave them), N tokens of random bf16 K/V, the float16 and the float32 tables alternated in one process
+(``ops.cpu.set_encode_f32_blocks``): per N the median of --reps rounds of all layers, their ratio, and the pages
+compared bit for bit.
 
 The pruning bound: an exact search may skip a group of centroids only where a bound proves none of them nearest.
 With each codebook's 256 centroids ordered into 16 spatial groups of 16 (recursive median splits along the principal

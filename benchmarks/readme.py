@@ -270,6 +270,48 @@ def cpu_kernels_table(h: dict) -> list[str]:
     return out + [""]
 
 
+# Issue 33's targets for a CPU machine class, each run side by side with `auto` on one machine (scripts/cpu-figures.sh
+# makes every figure): (row label, headline key with {model} / {cls} / {fmt} to fill, format, comparison, target)
+CPU_TARGETS = (
+    ("decode-heavy throughput ÷ auto", "throughput.{model}-cpu-{cls}.decode-heavy.{fmt}.ratio_vs_auto",
+     "temporalkv-2bit", ">=", 1.1),
+    ("prefill-heavy throughput ÷ auto", "throughput.{model}-cpu-{cls}.prefill-heavy.{fmt}.ratio_vs_auto",
+     "temporalkv-2bit", ">=", 0.9),
+    *(("retrieval suite's wall time ÷ auto's", "retrieval.{model}-cpu-{cls}.{fmt}.wall_ratio_vs_auto", f, "<=", 1.1)
+      for f in ("temporalkv-2bit", "temporalkv-k4v2", "selective-int4", "tada-4bit", "qjl")),
+    ("decode kernel ÷ vLLM's bf16 op, batch 8 × 8k, Llama-8B shape", "kernels.cpu-{cls}.b8-l8192.{fmt}.speedup_vs_vllm_bf16",
+     "temporalkv-2bit", ">=", 1.0),
+)
+
+
+def cpu_speed_table(h: dict, model: str = "smollm2") -> list[str]:
+    """Issue 33's figures per CPU class (the classes any of its keys name: amx, avx512bf16, ...), each against its
+    target: what is met where, at a glance.  The figures are the tables' below (throughput, retrieval, kernels)."""
+    classes = set()
+    for _, key, fmt, _, _ in CPU_TARGETS:  # the classes some target's figure was measured on
+        pattern = re.escape(key).replace(re.escape("{cls}"), "([^.]+)")
+        pattern = pattern.replace(re.escape("{model}"), re.escape(model)).replace(re.escape("{fmt}"), re.escape(fmt))
+        classes |= {m.group(1) for m in map(re.compile(pattern).fullmatch, h) if m}
+    classes = sorted(classes)
+    rows = []
+    for label, key, fmt, op, target in CPU_TARGETS:
+        cells = []
+        for cls in classes:
+            v = h.get(key.format(model=model, cls=cls, fmt=fmt))
+            met = v is not None and (v >= target if op == ">=" else v <= target)
+            cells.append("–" if v is None else f"{v:.2f} {'✓' if met else '✗'}")
+        if any(c != "–" for c in cells):
+            rows.append(f"| {label} | {fmt} | {'≥' if op == '>=' else '≤'} {target:g} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return [f"**CPU speed against bf16, per CPU class** (issue 33's targets, {model}, bf16 serving, each figure "
+            "measured side by side with `--kv-cache-dtype auto` on one machine of the class - "
+            "`scripts/cpu-figures.sh` runs every command; ✓ met, ✗ not; the figures and their runs in the tables "
+            "below and [benchmarks/results/cpu-speed-log.md](benchmarks/results/cpu-speed-log.md))", "",
+            "| figure | format | target | " + " | ".join(classes) + " |",
+            "|---|---|---|" + "---|" * len(classes)] + rows + [""]
+
+
 def generic_table(h: dict, bench: str, title: str, skip: str | None = None) -> list[str]:
     items = {k: v for k, v in h.items() if k.startswith(bench + ".") and not (skip and k.startswith(skip))}
     if not items:
@@ -290,6 +332,7 @@ def render(h: dict) -> str:
     lines += fisher_table(h)
     lines += retrieval_table(h)
     lines += choice_table(h)
+    lines += cpu_speed_table(h)
     lines += cpu_kernels_table(h)
     lines += generic_table(h, "kernels", "Kernels", skip="kernels.cpu.")
     lines += generic_table(h, "throughput", "Throughput")

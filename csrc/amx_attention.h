@@ -239,7 +239,7 @@ inline void chunk_head(const ChunkArgs& a, int h) {
 // Why: torch's flash kernel over the decoded keys plus the own-block merge took ~45 ms of a 58 ms layer step (SmolLM2's
 // shape, 2048 queries at 6144, 2-core AMX Xeon), half of it its exp-and-sum pass; chunk_head on such a chunk stores
 // every score of a row tile and skips nothing (1.9-2.4x flash's time).  Measured: 0.69x flash's time for SmolLM2's
-// 4096-query prompt chunk (README, "Long chunks on AMX tiles too").
+// 4096-query prompt chunk (benchmarks/results/cpu-speed-log.md, "Long chunks on AMX tiles too").
 
 constexpr int LONG_ROWS = LONG_PANEL_ROWS;  // rows per panel (16 tiles): one pass over the head's packed keys per panel
 constexpr int LONG_KEYS = 256;  // keys per block: its K and V tiles (64 KB at D = 128) stay in L2 across the panel

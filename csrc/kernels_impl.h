@@ -2701,7 +2701,8 @@ inline void nearest_screen(const float* U, int us, const TT* CT, const float* cs
   // The loop keeps each lane's smallest screen and stores every screen; the winning lane's own column of stored
   // screens then gives the index and its second smallest.  (Keeping each lane's index and second smallest in the
   // loop cost 4 more vector ops per W screens, and the loop is bound by its vector ops: this is ~1.17x faster on
-  // AVX-512, ~1.5x on AVX2: tests/test_cpu_kernels.py checks the answers, README issue 33 the timings.)
+  // AVX-512, ~1.5x on AVX2: tests/test_cpu_kernels.py checks the answers, benchmarks/results/cpu-speed-log.md the
+  // timings.)
   alignas(64) float S[NV][256];
   vf m1[NV];
   for (int n = 0; n < NV; ++n) m1[n] = vbc(__builtin_inff());

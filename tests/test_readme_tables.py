@@ -142,3 +142,24 @@ def test_served_ppl_table():
                                       "| temporalkv-2bit | 39.90 | 1.228 | 40.10 |"]
     assert any(ln.startswith("**Perplexity through the server, brown, qwen2.5-1.5b**") for ln in lines)
     assert "| auto | 21.50 | – | – |" in lines
+
+
+def test_cpu_speed_table_marks_each_class_against_its_target():
+    """Issue 33's figures per CPU class, from the keys of the machines that ran them: each against its target
+    (≥ for throughput and kernels, ≤ for wall time), a figure a class never measured a dash, a figure no class
+    measured no row."""
+    h = {"throughput.smollm2-cpu-amx.decode-heavy.temporalkv-2bit.ratio_vs_auto": 0.83,
+         "throughput.smollm2-cpu-xyz.decode-heavy.temporalkv-2bit.ratio_vs_auto": 1.1,
+         "retrieval.smollm2-cpu-amx.qjl.wall_ratio_vs_auto": 1.34,
+         "retrieval.smollm2-cpu-xyz.qjl.wall_ratio_vs_auto": 1.02,
+         "kernels.cpu-xyz.b8-l8192.temporalkv-2bit.speedup_vs_vllm_bf16": 1.5,
+         "kernels.cpu.b8-l8192.temporalkv-2bit.speedup_vs_vllm_bf16": 0.5,  # (no class: not this table's)
+         "throughput.smollm2-cpu-xyz-short.short-128.temporalkv-2bit.ratio_vs_auto": 0.9}  # (no target's figure)
+    lines = bench_call(RENDER, json.dumps(h)).splitlines()
+    head = lines.index(next(ln for ln in lines if ln.startswith("**CPU speed against bf16")))
+    assert lines[head + 2] == "| figure | format | target | amx | xyz |"
+    rows = lines[head + 4:lines.index("", head + 2)]
+    assert rows == ["| decode-heavy throughput ÷ auto | temporalkv-2bit | ≥ 1.1 | 0.83 ✗ | 1.10 ✓ |",
+                    "| retrieval suite's wall time ÷ auto's | qjl | ≤ 1.1 | 1.34 ✗ | 1.02 ✓ |",
+                    "| decode kernel ÷ vLLM's bf16 op, batch 8 × 8k, Llama-8B shape | temporalkv-2bit | ≥ 1 | – | 1.50 ✓ |"]
+    assert "CPU speed against bf16" not in bench_call(RENDER, json.dumps({"kernels.cpu.b8-l8192.x.speedup_vs_vllm_bf16": 1}))
