@@ -287,12 +287,12 @@ CPU_TARGETS = (
 def cpu_speed_table(h: dict, model: str = "smollm2") -> list[str]:
     """Issue 33's figures per CPU class (the classes any of its keys name: amx, avx512bf16, ...), each against its
     target: what is met where, at a glance.  The figures are the tables' below (throughput, retrieval, kernels)."""
-    classes = set()
+    found = set()
     for _, key, fmt, _, _ in CPU_TARGETS:  # the classes some target's figure was measured on
         pattern = re.escape(key).replace(re.escape("{cls}"), "([^.]+)")
         pattern = pattern.replace(re.escape("{model}"), re.escape(model)).replace(re.escape("{fmt}"), re.escape(fmt))
-        classes |= {m.group(1) for m in map(re.compile(pattern).fullmatch, h) if m}
-    classes = sorted(classes)
+        found |= {m.group(1) for m in map(re.compile(pattern).fullmatch, h) if m}
+    classes = sorted(found)
     rows = []
     for label, key, fmt, op, target in CPU_TARGETS:
         cells = []

@@ -15,8 +15,8 @@
   retrieval suite through the server on the 2-core AMX Xeon (SmolLM2, 12 prompts of 2k-4k tokens, 4 in flight),
   seconds ÷ auto's with the default spin / with 20000 in one run each: temporalkv-2bit 1.29 / 1.10, temporalkv-k4v2
   1.19 / 1.15, selective-int4 1.10 / 1.01, tada-4bit 1.19 / 1.11, qjl 1.27 / 1.10, auto's own suite 29.4 / 28.5 s
-  (benchmarks/results/cpu-speed-log.md).  The plugin's formats have more Python between their C++ calls than auto's one attention op
-  per layer, hence more gaps.  Unless the user set GOMP_SPINCOUNT or OMP_WAIT_POLICY.
+  (benchmarks/results/cpu-speed-log.md).  The plugin's formats have more Python between their C++ calls than auto's
+  one attention op per layer, hence more gaps.  Unless the user set GOMP_SPINCOUNT or OMP_WAIT_POLICY.
 
 All apply to every --kv-cache-dtype alike (the benchmarks compare formats under the same settings).
 """
